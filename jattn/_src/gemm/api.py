@@ -1,0 +1,336 @@
+"""Public GEMM entry points: validation, config choice and the custom_vjp."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src import platform
+from jattn._src.gemm import pallas_triton, xla
+from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.tuning import autotune, cache
+from jattn._src.user_functions import TracedFunction, trace_with_captures
+
+_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_CACHE_OP = "matmul"
+
+Epilogue = Callable[..., jax.Array]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+def _check_operands(op: str, a: jax.Array, b: jax.Array, b_max_ndim: int | None) -> None:
+    for name, x in (("a", a), ("b", b)):
+        if x.ndim < 2:
+            raise ValueError(f"{op}: `{name}` must have rank >= 2, got shape {x.shape}.")
+        if x.dtype not in _INPUT_DTYPES:
+            raise TypeError(f"{op}: `{name}` has dtype {x.dtype}; supported input dtypes are "
+                            "bfloat16, float16 and float32 (cast integers first).")
+    if b_max_ndim is not None and b.ndim > b_max_ndim:
+        raise ValueError(f"{op}: `b` must be a [K, N] matrix, got shape {b.shape}; use "
+                         "jattn.bmm for batched right-hand sides.")
+    if a.dtype != b.dtype:
+        raise TypeError(f"{op}: `a` and `b` must have the same dtype, got {a.dtype} and "
+                        f"{b.dtype}; cast one of them.")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{op}: inner dimensions differ: a {a.shape} has K={a.shape[-1]} but "
+                         f"b {b.shape} has K={b.shape[-2]}.")
+
+
+def _check_bias(op: str, bias: jax.Array | None, n: int) -> None:
+    if bias is None:
+        return
+    if bias.shape != (n,):
+        raise ValueError(f"{op}: `bias` must have shape ({n},) (one value per output column), "
+                         f"got {bias.shape}.")
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+        raise TypeError(f"{op}: `bias` must be floating point, got {bias.dtype}.")
+
+
+def _out_dtype(op: str, out_dtype: Any, in_dtype: jnp.dtype) -> jnp.dtype:
+    if out_dtype is None:
+        return in_dtype
+    dtype = jnp.dtype(out_dtype)
+    if dtype not in _INPUT_DTYPES:
+        raise TypeError(f"{op}: `out_dtype`={dtype} is not supported; use bfloat16, float16 or "
+                        "float32.")
+    return dtype
+
+
+def _with_indices(op: str, epilogue: Epilogue) -> Callable[..., jax.Array]:
+    """The epilogue as f(x, rows, cols), whether the user's takes (x) or (x, rows, cols)."""
+    if not callable(epilogue):
+        raise TypeError(f"{op}: `epilogue` must be callable, got {type(epilogue).__name__}.")
+    try:
+        parameters = inspect.signature(epilogue).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: assume f(x)
+        return lambda x, rows, cols: epilogue(x)
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [p for p in parameters if p.kind in positional and p.default is p.empty]
+    if len(required) == 3:
+        return epilogue
+    if len(required) == 1:
+        return lambda x, rows, cols: epilogue(x)
+    raise TypeError(f"{op}: `epilogue` must take (x) or (x, rows, cols); "
+                    f"{getattr(epilogue, '__name__', epilogue)} requires {len(required)} "
+                    "positional arguments.")
+
+
+def _trace_epilogue(op: str, epilogue: Epilogue, tile: tuple[int, int], full: tuple[int, int]):
+    """Traces the epilogue at the kernel tile and at the whole [M, N] output."""
+    fn = _with_indices(op, epilogue)
+
+    def signature(m: int, n: int):
+        return (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                jax.ShapeDtypeStruct((m, 1), jnp.int32), jax.ShapeDtypeStruct((1, n), jnp.int32))
+
+    (on_tile, on_full), captures = trace_with_captures(fn, signature(*tile), signature(*full))
+    outs = on_full.out_avals
+    if len(outs) != 1 or outs[0].shape != full or not jnp.issubdtype(outs[0].dtype, jnp.floating):
+        seen = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
+        raise ValueError(f"{op}: `epilogue` must return one floating array shaped like its input "
+                         f"{list(full)}; it returned {seen}.")
+    return on_tile, on_full, captures
+
+
+# ------------------------------------------------------------------------------------------------
+# Config choice
+# ------------------------------------------------------------------------------------------------
+
+def _cache_key(m: int, n: int, k: int, dtype: jnp.dtype) -> str:
+    bucket = "x".join(str(1 << max(0, d - 1).bit_length()) for d in (m, n, k))
+    return f"{platform.device_kind()}|{bucket}|{jnp.dtype(dtype).name}"
+
+
+def _tune(m: int, n: int, k: int, dtype: jnp.dtype) -> MatmulConfig:
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    b = jnp.asarray(rng.standard_normal((k, n)), dtype)
+
+    def make_run(config: MatmulConfig):
+        run = jax.jit(functools.partial(_product, "pallas_triton", config, dtype))
+        return lambda: run(a, b)
+
+    best, _ = autotune.autotune(search_space(m, n, k, dtype), make_run,
+                                desc=f"jattn: tuning matmul {m}x{n}x{k} {jnp.dtype(dtype).name}")
+    cache.store(_CACHE_OP, _cache_key(m, n, k, dtype), dataclasses.asdict(best))
+    return best
+
+
+def _check_config_type(config: Any) -> None:
+    if not (config is None or isinstance(config, MatmulConfig) or config == "autotune"):
+        raise TypeError(f"`config` must be a MatmulConfig, None or 'autotune', got {config!r}.")
+
+
+def choose_config(config: MatmulConfig | str | None, m: int, n: int, k: int,
+                  dtype: jnp.dtype) -> MatmulConfig:
+    """The caller's config as given; else a cached tuning result; else the heuristic.
+
+    config="autotune" times the search space on the current device now (unless cached) and
+    records the winner in the on-disk cache.
+    """
+    _check_config_type(config)
+    if isinstance(config, MatmulConfig):
+        return config
+    cached = cache.lookup(_CACHE_OP, _cache_key(m, n, k, dtype))
+    if cached is not None:
+        return MatmulConfig(**cached)
+    if config == "autotune":
+        return _tune(m, n, k, dtype)
+    return heuristic_config(m, n, k, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# One product on 2-D operands, by implementation
+# ------------------------------------------------------------------------------------------------
+
+def _product(implementation: str, config: MatmulConfig | None, out_dtype, a, b, bias=None,
+             captures: Sequence[Any] = (), *, transpose_a=False, transpose_b=False,
+             epilogue_tile: TracedFunction | None = None,
+             epilogue_full: TracedFunction | None = None, save_preact=False):
+    common = dict(out_dtype=out_dtype, transpose_a=transpose_a, transpose_b=transpose_b)
+    if implementation == "xla":
+        return xla.matmul(a, b, bias, captures, epilogue=epilogue_full, save_preact=save_preact,
+                          **common)
+    interpret = implementation == "interpret"
+    if config.split_k == 1:
+        return pallas_triton.matmul(a, b, bias, captures, config=config, epilogue=epilogue_tile,
+                                    save_preact=save_preact, interpret=interpret, **common)
+    partials = pallas_triton.matmul(a, b, None, (), config=config, interpret=interpret, **common)
+    return xla.apply_epilogue(partials.sum(axis=0), bias, captures, epilogue_full, out_dtype,
+                              save_preact)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """Everything static about one matmul call (the custom_vjp's non-differentiable argument)."""
+
+    implementation: str
+    config: MatmulConfig | None
+    out_dtype: jnp.dtype
+    epilogue_tile: TracedFunction | None
+    epilogue_full: TracedFunction | None
+
+    def product(self, a, b, bias=None, captures=(), *, save_preact=False):
+        return _product(self.implementation, self.config, self.out_dtype, a, b, bias, captures,
+                        epilogue_tile=self.epilogue_tile, epilogue_full=self.epilogue_full,
+                        save_preact=save_preact)
+
+    def backward_product(self, a, b, out_dtype, **transposes):
+        """A plain product of the backward pass, with its own config for its own shape."""
+        config = None
+        if self.implementation != "xla":
+            m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
+            k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
+            n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
+            config = choose_config(None, m, n, k, a.dtype)
+        return _product(self.implementation, config, out_dtype, a, b, **transposes)
+
+
+class _Residuals(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+    bias: jax.Array | None
+    captures: tuple[Any, ...]
+    preact: jax.Array | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _matmul(options: _Options, a, b, bias, captures):
+    return options.product(a, b, bias, captures)
+
+
+def _matmul_fwd(options: _Options, a, b, bias, captures):
+    if options.epilogue_full is None:
+        return options.product(a, b, bias, captures), _Residuals(a, b, bias, captures, None)
+    out, preact = options.product(a, b, bias, captures, save_preact=True)
+    return out, _Residuals(a, b, bias, captures, preact)
+
+
+def _matmul_bwd(options: _Options, res: _Residuals, d_out):
+    if options.epilogue_full is None:
+        d_preact, d_captures = d_out.astype(jnp.float32), ()
+    else:
+        m, n = d_out.shape
+        rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+
+        def epilogue(preact, captures):
+            return options.epilogue_full(captures, preact, rows, cols)[0]
+
+        _, epilogue_vjp = jax.vjp(epilogue, res.preact.astype(jnp.float32), res.captures)
+        d_preact, d_captures = epilogue_vjp(d_out.astype(jnp.float32))
+    d_operand = d_preact.astype(res.a.dtype)
+    d_a = options.backward_product(d_operand, res.b, res.a.dtype, transpose_b=True)
+    d_b = options.backward_product(res.a, d_operand, res.b.dtype, transpose_a=True)
+    d_bias = None if res.bias is None else d_preact.sum(axis=0).astype(res.bias.dtype)
+    return d_a, d_b, d_bias, d_captures
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+def _options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
+             implementation) -> tuple[_Options, tuple[Any, ...]]:
+    _check_bias(op, bias, n)
+    out_dtype = _out_dtype(op, out_dtype, dtype)
+    implementation = platform.resolve_implementation(implementation)
+    if implementation == "xla":  # XLA picks its own tiles: the config is checked, then unused
+        _check_config_type(config)
+        resolved, tile = None, (m, n)
+    else:
+        resolved = choose_config(config, m, n, k, dtype)
+        tile = (resolved.block_m, resolved.block_n)
+    epilogue_tile = epilogue_full = None
+    captures: Sequence[Any] = ()
+    if epilogue is not None:
+        epilogue_tile, epilogue_full, captures = _trace_epilogue(op, epilogue, tile, (m, n))
+    options = _Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full)
+    return options, tuple(captures)
+
+
+def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
+           epilogue: Epilogue | None = None, out_dtype=None,
+           config: MatmulConfig | str | None = None,
+           implementation: str | None = None) -> jax.Array:
+    """epilogue(a @ b + bias), accumulated in float32, in one kernel.
+
+    Args:
+      a: [..., M, K] bfloat16, float16 or float32; leading dims are flattened into M.
+      b: [K, N], same dtype as `a`.
+      bias: optional [N], any float dtype, added to every row before the epilogue.
+      epilogue: optional elementwise function applied to the float32 tile inside the kernel,
+        `f(x)` or `f(x, rows, cols)` with int32 global row [.., 1] and column [1, ..] indices
+        (e.g. `jax.nn.gelu`; exact-erf gelu does not lower to Triton, the tanh form does). It must
+        return an array shaped like x. Arrays it closes over become kernel inputs and receive
+        gradients; on the GPU they are loaded whole, so their sizes must be powers of two.
+      out_dtype: output dtype (default a.dtype).
+      config: a MatmulConfig (used as given), None (cached tuning result, else heuristic) or
+        "autotune" (time the search space on this device once and cache the winner). Backward
+        products pick their own configs for their own shapes.
+      implementation: "pallas_triton", "xla" or "interpret"; default $JATTN_IMPLEMENTATION, else
+        "pallas_triton" on a CUDA GPU and "xla" elsewhere.
+
+    Returns:
+      [..., M, N] of out_dtype. Differentiable in a, b, bias and captured arrays (custom_vjp:
+      dA = dZ·Bᵀ and dB = Aᵀ·dZ through the same kernel, dZ from `jax.vjp` of the epilogue).
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    _check_operands("matmul", a, b, b_max_ndim=2)
+    *lead, k = a.shape
+    m, n = math.prod(lead), b.shape[1]
+    options, captures = _options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype, config,
+                                 implementation)
+    out = _matmul(options, a.reshape(m, k), b, bias, captures)
+    return out.reshape(*lead, n)
+
+
+def _broadcast_batch(fn, a, b, batch_ndim: int):
+    """fn over the leading batch dims of a and b with numpy broadcasting, copying nothing."""
+    if batch_ndim == 0:
+        return fn(a, b)
+    a_mapped, b_mapped = a.shape[0] != 1, b.shape[0] != 1
+    inner = functools.partial(_broadcast_batch, fn, batch_ndim=batch_ndim - 1)
+    if not (a_mapped or b_mapped):
+        return inner(a[0], b[0])[None]
+    return jax.vmap(inner, in_axes=(0 if a_mapped else None, 0 if b_mapped else None))(
+        a if a_mapped else a[0], b if b_mapped else b[0])
+
+
+def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
+        epilogue: Epilogue | None = None, out_dtype=None,
+        config: MatmulConfig | str | None = None,
+        implementation: str | None = None) -> jax.Array:
+    """Batched `matmul`: a [..., M, K] @ b [..., K, N] -> [..., M, N].
+
+    Leading (batch) dims broadcast as in numpy; an operand with batch size 1 is shared, not
+    copied. bias [N], epilogue (indices are within each matrix), out_dtype, config and
+    implementation are as in `matmul`.
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    _check_operands("bmm", a, b, b_max_ndim=None)
+    try:
+        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except ValueError:
+        raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    options, captures = _options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype, config,
+                                 implementation)
+    a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
+    b = b.reshape((1,) * (len(batch) + 2 - b.ndim) + b.shape)
+    product = lambda x, y: _matmul(options, x, y, bias, captures)
+    return _broadcast_batch(product, a, b, len(batch))

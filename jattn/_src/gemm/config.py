@@ -1,0 +1,123 @@
+"""GEMM tunables: a validated config, the heuristic default and the autotuning search space."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+
+from jattn._src.constants import MIN_DOT_TILE
+
+# Shared memory per block on an H100 (227 KiB); candidates whose pipeline needs more are skipped.
+SHARED_MEMORY_BYTES = 227 * 1024
+
+# Streaming multiprocessors of an H100: split-K targets at least this many programs.
+NUM_SMS = 132
+
+
+def _is_power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tile shape and launch parameters of the GEMM kernel.
+
+    block_m, block_n, block_k: output tile rows, columns and the K step (powers of two, >= 16).
+    group_m: row tiles walked together before moving to the next column (L2 reuse).
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    split_k: programs sharing one output tile along K; > 1 writes fp32 partial sums that XLA adds
+      (use it when M·N has too few tiles to fill the GPU, e.g. decode-shaped M).
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not _is_power_of_two(value) or value < MIN_DOT_TILE:
+                raise ValueError(
+                    f"MatmulConfig.{name}={value!r} must be a power of two >= {MIN_DOT_TILE} "
+                    "(Triton tiles are powers of two and its dot needs 16 rows/columns)."
+                )
+        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"MatmulConfig.num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16.")
+        for name in ("group_m", "num_stages", "split_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"MatmulConfig.{name}={value!r} must be a positive int.")
+
+    def shared_memory_bytes(self, itemsize: int) -> int:
+        """Bytes of shared memory the pipelined A and B tiles need."""
+        tile_bytes = (self.block_m + self.block_n) * self.block_k * itemsize
+        return tile_bytes * max(1, self.num_stages - 1)
+
+    def fit_to(self, m: int, n: int, k: int) -> MatmulConfig:
+        """Shrinks tiles larger than the problem (never below 16), keeping everything else."""
+        def fit(block: int, size: int) -> int:
+            return min(block, max(MIN_DOT_TILE, _next_power_of_two(size)))
+
+        return dataclasses.replace(
+            self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n),
+            block_k=fit(self.block_k, k),
+        )
+
+
+def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
+    """Enough K splits that the programs fill the GPU, each keeping >= 4 K steps."""
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    k_steps = -(-k // config.block_k)
+    split = 1
+    while tiles * split < NUM_SMS and k_steps // (2 * split) >= 4:
+        split *= 2
+    return split
+
+
+def heuristic_config(m: int, n: int, k: int, dtype: np.dtype) -> MatmulConfig:
+    """The default config for an [m, k] @ [k, n] product of `dtype` inputs."""
+    itemsize = np.dtype(dtype).itemsize
+    if m <= 64:
+        # Decode-shaped: bandwidth-bound on B, so long K steps and a deep pipeline.
+        config = MatmulConfig(block_m=16, block_n=64, block_k=512 // itemsize, group_m=1,
+                              num_warps=4, num_stages=4)
+        config = config.fit_to(m, n, k)
+        return dataclasses.replace(config, split_k=_split_k_for(m, n, k, config))
+    if itemsize <= 2:
+        config = MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8,
+                              num_stages=3)
+    else:
+        config = MatmulConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8,
+                              num_stages=3)
+    return config.fit_to(m, n, k)
+
+
+def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
+    """Candidate configs for the autotuner, fitted to the shape and to shared memory."""
+    itemsize = np.dtype(dtype).itemsize
+    if m <= 64:
+        tiles = itertools.product((16, 32, 64), (32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
+        group_ms = (1,)
+    else:
+        tiles = itertools.product((64, 128, 256), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4))
+        group_ms = (8,)
+    seen: dict[MatmulConfig, None] = {}
+    for (bm, bn, bk, warps, stages), group_m in itertools.product(tiles, group_ms):
+        if bm * bn >= 256 * 256 or (bm * bn >= 128 * 256 and warps < 8):
+            continue  # accumulator would not fit in registers
+        config = MatmulConfig(bm, bn, bk, group_m, warps, stages).fit_to(m, n, k)
+        if config.shared_memory_bytes(itemsize) > SHARED_MEMORY_BYTES:
+            continue
+        for split in {1, _split_k_for(m, n, k, config)}:
+            seen[dataclasses.replace(config, split_k=split)] = None
+    return list(seen)

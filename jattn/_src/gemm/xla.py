@@ -1,0 +1,39 @@
+"""The GEMM through XLA (`jnp.dot`), with the same operands and options as the Pallas kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jattn._src.user_functions import TracedFunction
+
+
+def apply_epilogue(acc: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
+                   epilogue: TracedFunction | None, out_dtype, save_preact: bool):
+    """Bias, epilogue and cast on a whole fp32 [M, N] product (also the split-K combine).
+
+    Returns out, or (out, preact) with the pre-epilogue values if save_preact.
+    """
+    if bias is not None:
+        acc = acc + bias.astype(jnp.float32)
+    preact = acc.astype(out_dtype)
+    if epilogue is not None:
+        m, n = acc.shape
+        rows = lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+        cols = lax.broadcasted_iota(jnp.int32, (1, n), 1)
+        acc = epilogue(captures, acc, rows, cols)[0]
+    out = acc.astype(out_dtype)
+    return (out, preact) if save_preact else out
+
+
+def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any], *,
+           out_dtype, transpose_a: bool = False, transpose_b: bool = False,
+           epilogue: TracedFunction | None = None, save_preact: bool = False):
+    """Same contract as `pallas_triton.matmul` with split_k == 1; epilogue traced at [M, N]."""
+    acc = jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b,
+                  preferred_element_type=jnp.float32)
+    return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)

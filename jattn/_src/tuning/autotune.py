@@ -1,0 +1,62 @@
+"""Times candidate configs of a kernel on the current device and keeps the fastest."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import jax
+
+Config = TypeVar("Config")
+
+
+def _progress(items: Sequence[Any], desc: str) -> Iterable[Any]:
+    """tqdm's bar when it is installed, else a one-line bar on stderr."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        yield from tqdm(items, desc=desc, leave=False)
+        return
+    for i, item in enumerate(items):
+        done = 30 * i // max(1, len(items))
+        print(f"\r{desc} [{'#' * done}{'.' * (30 - done)}] {i}/{len(items)}", end="",
+              file=sys.stderr, flush=True)
+        yield item
+    print(f"\r{desc} done ({len(items)} configs)".ljust(60), file=sys.stderr)
+
+
+def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> float:
+    """Median wall time of fn() after warm-up, each run waited on with block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def autotune(candidates: Sequence[Config], make_run: Callable[[Config], Callable[[], Any]], *,
+             desc: str) -> tuple[Config, list[tuple[Config, float]]]:
+    """Returns the fastest candidate and every candidate's median time (inf if it failed).
+
+    make_run(config) returns a zero-argument callable that launches the kernel once on fixed
+    inputs; compilation happens in the warm-up, outside the timed runs.
+    """
+    timings = []
+    for config in _progress(candidates, desc):
+        try:
+            seconds = median_seconds(make_run(config))
+        except Exception:  # a candidate the compiler rejects (resources, lowering) is skipped
+            seconds = float("inf")
+        timings.append((config, seconds))
+    best, best_time = min(timings, key=lambda item: item[1])
+    if best_time == float("inf"):
+        raise RuntimeError(f"{desc}: every candidate config failed to compile or run.")
+    return best, timings

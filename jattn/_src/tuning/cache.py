@@ -1,0 +1,44 @@
+"""The on-disk autotuning cache: one JSON file of {op: {key: config fields}}.
+
+The file lives at $JATTN_CACHE_DIR/autotune.json (default ~/.cache/jattn/autotune.json). Keys
+name the device kind, a shape bucket and the dtype, so a result tuned on one GPU model is never
+used on another.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any
+
+CACHE_DIR_ENV = "JATTN_CACHE_DIR"
+
+
+def cache_path() -> pathlib.Path:
+    root = os.environ.get(CACHE_DIR_ENV) or pathlib.Path.home() / ".cache" / "jattn"
+    return pathlib.Path(root) / "autotune.json"
+
+
+def _read() -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(cache_path().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def lookup(op: str, key: str) -> dict[str, Any] | None:
+    """The cached entry of `op` under `key`, or None."""
+    return _read().get(op, {}).get(key)
+
+
+def store(op: str, key: str, entry: dict[str, Any]) -> None:
+    """Records an entry; the file is replaced atomically so concurrent readers never see half."""
+    data = _read()
+    data.setdefault(op, {})[key] = entry
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(f.name, path)

@@ -1,0 +1,67 @@
+"""User functions (GEMM epilogues, attention mods) with their captured arrays made explicit.
+
+A Pallas kernel may not close over arrays, and `jax.custom_vjp` cannot differentiate arrays that
+its function closes over. So each user function is traced to a jaxpr at the exact shapes it will
+see (a kernel tile, or a whole matrix for the XLA path), and every array it captures becomes an
+explicit argument: a kernel input and a differentiable input of the custom_vjp. `jax.closure_convert`
+is not enough: it hoists only float arrays and fixes the example shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend.core import jaxpr_as_fun
+
+
+def _with_consts(closed: Any, consts: Sequence[Any]) -> Any:
+    # jax 0.11 merged ClosedJaxpr into Jaxpr and added `with_consts`; 0.10 has `replace`.
+    if hasattr(closed, "with_consts"):
+        return closed.with_consts(list(consts))
+    return closed.replace(consts=list(consts))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: usable as a static option
+class TracedFunction:
+    """A user function traced at fixed argument shapes.
+
+    `capture_slots[i]` is the position, in the capture list shared by all traces of the same
+    function, of the i-th array the function captured.
+    """
+
+    closed_jaxpr: Any
+    capture_slots: tuple[int, ...]
+
+    @property
+    def out_avals(self) -> list[jax.core.ShapedArray]:
+        return list(self.closed_jaxpr.out_avals)
+
+    def __call__(self, captures: Sequence[Any], *args: Any) -> list[Any]:
+        consts = [captures[slot] for slot in self.capture_slots]
+        return jaxpr_as_fun(_with_consts(self.closed_jaxpr, consts))(*args)
+
+
+def trace_with_captures(
+    fn: Callable[..., Any], *signatures: Sequence[jax.ShapeDtypeStruct]
+) -> tuple[list[TracedFunction], list[Any]]:
+    """Traces `fn` once per argument signature; the traces share one list of captured arrays.
+
+    Captured arrays are matched across traces by identity, so a bias table closed over by `fn`
+    appears once in the returned list however many traces use it.
+    """
+    captures: list[Any] = []
+    slot_of: dict[int, int] = {}
+    traced = []
+    for signature in signatures:
+        closed = jax.make_jaxpr(fn)(*signature)
+        slots = []
+        for const in closed.consts:
+            if id(const) not in slot_of:
+                slot_of[id(const)] = len(captures)
+                captures.append(const)
+            slots.append(slot_of[id(const)])
+        traced.append(TracedFunction(closed, tuple(slots)))
+    return traced, captures
