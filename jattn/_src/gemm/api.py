@@ -228,7 +228,7 @@ def _matmul_bwd(options: _Options, res: _Residuals, d_out):
         def epilogue(preact, captures):
             return options.epilogue_full(captures, preact, rows, cols)[0]
 
-        _, epilogue_vjp = jax.vjp(epilogue, res.preact.astype(jnp.float32), res.captures)
+        _, epilogue_vjp = jax.vjp(epilogue, res.preact, res.captures)
         d_preact, d_captures = epilogue_vjp(d_out.astype(jnp.float32))
     d_operand = d_preact.astype(res.a.dtype)
     d_a = options.backward_product(d_operand, res.b, res.a.dtype, transpose_b=True)

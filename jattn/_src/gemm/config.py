@@ -99,7 +99,8 @@ def heuristic_config(m: int, n: int, k: int, dtype: np.dtype) -> MatmulConfig:
     else:
         config = MatmulConfig(block_m=128, block_n=128, block_k=32, group_m=8, num_warps=8,
                               num_stages=3)
-    return config.fit_to(m, n, k)
+    config = config.fit_to(m, n, k)
+    return dataclasses.replace(config, split_k=_split_k_for(m, n, k, config))
 
 
 def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
@@ -109,7 +110,7 @@ def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
         tiles = itertools.product((16, 32, 64), (32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
         group_ms = (1,)
     else:
-        tiles = itertools.product((64, 128, 256), (64, 128, 256), (32, 64, 128), (4, 8), (3, 4))
+        tiles = itertools.product((64, 128, 256), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5))
         group_ms = (8,)
     seen: dict[MatmulConfig, None] = {}
     for (bm, bn, bk, warps, stages), group_m in itertools.product(tiles, group_ms):

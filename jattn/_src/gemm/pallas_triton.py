@@ -148,7 +148,7 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
         acc = acc + _load_bias(bias_ref, n0, bn, n_bound)
     out_ref = out_refs[0]
     if save_preact:
-        _store_tile(out_refs[1], m0, n0, acc.astype(out_refs[1].dtype), m_bound, n_bound)
+        _store_tile(out_refs[1], m0, n0, acc, m_bound, n_bound)
     if epilogue is not None:
         rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         cols = n0 + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
@@ -168,29 +168,43 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     """op(a) @ op(b) (+ bias[None, :]) then epilogue, on 2-D operands.
 
     a: [M, K] ([K, M] if transpose_a); b: [K, N] ([N, K] if transpose_b); bias: [N] or None.
-    Returns out [M, N] of out_dtype, plus the pre-epilogue values (out_dtype) if save_preact.
+    Returns out [M, N] of out_dtype, plus the fp32 pre-epilogue values if save_preact (kept
+    in fp32 for the backward: the epilogue's derivative at a rounded input loses precision).
     With config.split_k > 1, bias and epilogue must be None and the result is the fp32 partial
     sums [split_k, M, N], to be added by the caller.
     """
     m = a.shape[1] if transpose_a else a.shape[0]
     k = a.shape[0] if transpose_a else a.shape[1]
     n = b.shape[0] if transpose_b else b.shape[1]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if config.split_k > 1 and (bias is not None or epilogue is not None or save_preact):
+        raise ValueError("split_k > 1 returns partial sums: apply bias and epilogue after.")
+
+    # The interpreter cannot take a window larger than a whole dimension (the GPU's masked loads
+    # can), so there, dims smaller than their block are zero-padded. The kernel keeps the true
+    # sizes, so masks and results are the same; outputs are cut back below.
+    def fit(x, blocks):
+        if not interpret:
+            return x
+        return jnp.pad(x, [(0, max(0, blk - dim)) for dim, blk in zip(x.shape, blocks)])
+
+    a = fit(a, (bk, bm) if transpose_a else (bm, bk))
+    b = fit(b, (bn, bk) if transpose_b else (bk, bn))
+    out_m, out_n = (max(m, bm), max(n, bn)) if interpret else (m, n)
     if config.split_k > 1:
-        if bias is not None or epilogue is not None or save_preact:
-            raise ValueError("split_k > 1 returns partial sums: apply bias and epilogue after.")
-        out_shape = [jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32)]
-        grid = (_cdiv(m, config.block_m) * _cdiv(n, config.block_n), config.split_k)
+        out_shape = [jax.ShapeDtypeStruct((config.split_k, out_m, out_n), jnp.float32)]
+        grid = (_cdiv(m, bm) * _cdiv(n, bn), config.split_k)
     else:
-        out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+        out_shape = [jax.ShapeDtypeStruct((out_m, out_n), out_dtype)]
         if save_preact:
-            out_shape.append(jax.ShapeDtypeStruct((m, n), out_dtype))
-        grid = (_cdiv(m, config.block_m) * _cdiv(n, config.block_n),)
+            out_shape.append(jax.ShapeDtypeStruct((out_m, out_n), jnp.float32))
+        grid = (_cdiv(m, bm) * _cdiv(n, bn),)
 
     kernel = functools.partial(
         _matmul_kernel, m=m, n=n, k=k, config=config, transpose_a=transpose_a,
         transpose_b=transpose_b, has_bias=bias is not None, num_captures=len(captures),
         epilogue=epilogue, save_preact=save_preact)
-    operands = [a, b] + ([bias] if bias is not None else []) + list(captures)
+    operands = [a, b] + ([fit(bias, (bn,))] if bias is not None else []) + list(captures)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -200,5 +214,6 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
         interpret=interpret,
         name="jattn_matmul" if config.split_k == 1 else "jattn_matmul_split_k",
     )(*operands)
+    outs = [out[..., :m, :n] for out in outs]
     return outs[0] if len(outs) == 1 else tuple(outs)
 

@@ -16,11 +16,11 @@ def apply_epilogue(acc: jax.Array, bias: jax.Array | None, captures: Sequence[An
                    epilogue: TracedFunction | None, out_dtype, save_preact: bool):
     """Bias, epilogue and cast on a whole fp32 [M, N] product (also the split-K combine).
 
-    Returns out, or (out, preact) with the pre-epilogue values if save_preact.
+    Returns out, or (out, preact) with the fp32 pre-epilogue values if save_preact.
     """
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
-    preact = acc.astype(out_dtype)
+    preact = acc
     if epilogue is not None:
         m, n = acc.shape
         rows = lax.broadcasted_iota(jnp.int32, (m, 1), 0)

@@ -1,0 +1,59 @@
+"""`python -m jattn.demo`: run each kernel on the default device against its reference.
+
+Prints the device and implementation, then for each kernel the relative error against a
+float32 reference and the median time of a call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from jattn._src import platform
+from jattn._src.gemm.reference import matmul_reference
+from jattn._src.tuning.autotune import median_seconds
+
+
+def _relative_error(x: jax.Array, reference: jax.Array) -> float:
+    x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+    return float(np.linalg.norm(x - reference) / np.linalg.norm(reference))
+
+
+def _report(name: str, fn, reference: jax.Array, args, flops: float) -> None:
+    fn = jax.jit(fn)
+    error = _relative_error(fn(*args).astype(jnp.float32), reference)
+    seconds = median_seconds(lambda: fn(*args))
+    print(f"  {name:<34} rel. error {error:.1e}   {seconds * 1e3:8.3f} ms"
+          f"   {flops / seconds / 1e12:7.2f} TFLOP/s")
+
+
+def main() -> None:
+    implementation = platform.resolve_implementation(None)
+    size = 4096 if platform.has_cuda() else 512
+    print(f"jattn {jattn.__version__} on {jax.devices()[0].device_kind} "
+          f"(jax {jax.__version__}), implementation: {implementation}")
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal((size,)), jnp.bfloat16)
+    gelu = functools.partial(jax.nn.gelu, approximate=True)
+    f32 = [x.astype(jnp.float32) for x in (a, b, bias)]
+    flops = 2.0 * size**3
+    print(f"bf16 {size}x{size}x{size}, compared with a float32 reference:")
+    _report("matmul", jattn.matmul, matmul_reference(*f32[:2]), (a, b), flops)
+    _report("matmul + bias + gelu epilogue",
+            lambda a, b, bias: jattn.matmul(a, b, bias=bias, epilogue=gelu),
+            matmul_reference(*f32[:2], bias=f32[2], epilogue=gelu), (a, b, bias), flops)
+    if implementation != "interpret":
+        small = [x[:128, :128] for x in (a, b)]
+        _report("matmul, Pallas interpreter, 128^3",
+                functools.partial(jattn.matmul, implementation="interpret"),
+                matmul_reference(*[x.astype(jnp.float32) for x in small]), small, 2.0 * 128**3)
+
+
+if __name__ == "__main__":
+    main()

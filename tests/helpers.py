@@ -1,0 +1,95 @@
+"""Shared test helpers: random inputs, the tolerance rule, gradients, determinism, lowering."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jattn._src.platform import has_cuda
+
+# The implementations every op is tested with; the GPU kernel only where a GPU is present.
+IMPLEMENTATIONS = ["xla", "interpret", pytest.param("pallas_triton", marks=pytest.mark.gpu)]
+
+
+def random(rng: np.random.Generator, shape: Sequence[int], dtype=jnp.float32,
+           scale: float = 1.0) -> jax.Array:
+    """Standard normal values (times scale) of `dtype`; never zeros, which hide indexing bugs."""
+    return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+
+def golden(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn evaluated with every floating input cast to float64 on the CPU (numpy outputs)."""
+    with jax.enable_x64(True):
+        cpu = jax.devices("cpu")[0]
+
+        def to64(x):
+            x = jax.device_put(x, cpu)
+            return x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+        with jax.default_device(cpu):
+            out = fn(*jax.tree.map(to64, args))
+            return jax.tree.map(lambda y: np.asarray(y, np.float64), out)
+
+
+def assert_close(actual: Any, gold: Any, reference: Any, *, what: str = "output") -> None:
+    """The STYLE.md rule: |actual - golden| <= 2 |reference - golden| + noise, as max norms.
+
+    `reference` is the oracle run in the same low precision as `actual`; the noise term (a few
+    float32 ulps of the golden's scale) covers results the low-precision reference gets exact.
+    """
+    actual = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+    reference = np.asarray(jnp.asarray(reference, jnp.float32), np.float64)
+    gold = np.asarray(gold, np.float64)
+    assert actual.shape == gold.shape, f"{what}: shape {actual.shape} != golden {gold.shape}"
+    assert not np.isnan(actual).any() or np.isnan(gold).any(), f"{what}: NaN in result"
+    err = np.abs(actual - gold).max(initial=0.0)
+    ref_err = np.abs(reference - gold).max(initial=0.0)
+    noise = 4 * np.finfo(np.float32).eps * max(1.0, np.abs(gold).max(initial=0.0))
+    assert err <= 2 * ref_err + noise, (
+        f"{what}: max error {err:.3g} exceeds 2 x reference error {ref_err:.3g} + {noise:.2g}")
+
+
+def random_cotangent_vjp(fn: Callable[..., Any], args: Sequence[Any], cotangent: Any):
+    """Gradients of fn at args pulled back from a fixed random cotangent (never `.sum()`)."""
+    _, vjp = jax.vjp(fn, *args)
+    return vjp(cotangent)
+
+
+def assert_bitwise_equal_runs(fn: Callable[[], Any]) -> None:
+    """Two runs of fn give bitwise identical results."""
+    first, second = fn(), fn()
+    for x, y in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@contextlib.contextmanager
+def _abstract_cuda_device():
+    """jax >= 0.11 lowers for CUDA on a CPU machine only inside an abstract H100 mesh."""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    try:
+        device = AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    except TypeError:  # jax 0.10 needs (and accepts) no abstract device
+        yield
+        return
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
+    """StableHLO text of fn lowered for CUDA, Pallas kernels through the Triton lowering.
+
+    Runs on a CPU machine: it checks what the Triton lowering rejects (non-power-of-two tensors,
+    unsupported primitives) without a GPU. Triton's own PTX compile is not run.
+    """
+    if has_cuda():
+        return jax.jit(fn).lower(*args).as_text()
+    with _abstract_cuda_device():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,0 +1,47 @@
+"""The autotuner picks the fastest working candidate; the cache round-trips through disk."""
+
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from jattn._src.gemm import api
+from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.tuning import autotune, cache
+
+
+def test_autotune_picks_fastest_and_skips_failures():
+    def make_run(delay):
+        if delay is None:
+            raise RuntimeError("does not compile")
+        return lambda: time.sleep(delay)
+
+    best, timings = autotune.autotune([0.004, None, 0.0005, 0.002], make_run, desc="test")
+    assert best == 0.0005
+    assert timings[1][1] == float("inf")
+
+
+def test_autotune_raises_when_everything_fails():
+    with pytest.raises(RuntimeError, match="every candidate config failed"):
+        autotune.autotune([None], lambda _: (_ for _ in ()).throw(RuntimeError()), desc="x")
+
+
+def test_cache_round_trip_feeds_config_choice(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    assert api.choose_config(None, 1000, 1000, 1000, jnp.bfloat16) == heuristic_config(
+        1000, 1000, 1000, jnp.bfloat16)
+    tuned = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=5)
+    # 1000 and 1024 share a shape bucket, so the tuned entry serves both.
+    cache.store("matmul", api._cache_key(1024, 1024, 1024, jnp.bfloat16), tuned.__dict__)
+    assert api.choose_config(None, 1000, 1000, 1000, jnp.bfloat16) == tuned
+    assert api.choose_config(None, 1000, 1000, 1000, jnp.float32) != tuned
+    assert (tmp_path / "autotune.json").exists()
+
+
+@pytest.mark.parametrize("m,n,k,dtype", [(8192, 8192, 8192, jnp.bfloat16), (16, 8192, 8192,
+                                          jnp.bfloat16), (100, 70, 90, jnp.float32)])
+def test_search_space_is_valid_and_fits_shared_memory(m, n, k, dtype):
+    space = search_space(m, n, k, dtype)
+    assert len(space) == len(set(space)) > 4
+    itemsize = jnp.dtype(dtype).itemsize
+    assert all(c.shared_memory_bytes(itemsize) <= 227 * 1024 for c in space)
