@@ -23,6 +23,21 @@ def random(rng: np.random.Generator, shape: Sequence[int], dtype=jnp.float32,
     return jnp.asarray(scale * rng.standard_normal(shape), dtype)
 
 
+def _truncate_to_tf32(x: jax.Array) -> jax.Array:
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def low_precision(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn run as the kernels run: on the GPU, float32 dots are TF32, so float32 inputs are cut to
+    TF32's 10 mantissa bits first (products of TF32 values are then exact whatever XLA picks).
+    On the CPU, float32 dots are exact and the inputs are used as they are."""
+    if has_cuda():
+        args = jax.tree.map(
+            lambda x: _truncate_to_tf32(x) if jnp.asarray(x).dtype == jnp.float32 else x, args)
+    return fn(*args)
+
+
 def golden(fn: Callable[..., Any], *args: Any) -> Any:
     """fn evaluated with every floating input cast to float64 on the CPU (numpy outputs)."""
     with jax.enable_x64(True):

@@ -30,15 +30,25 @@ def _progress(items: Sequence[Any], desc: str) -> Iterable[Any]:
     print(f"\r{desc} done ({len(items)} configs)".ljust(60), file=sys.stderr)
 
 
-def median_seconds(fn: Callable[[], Any], *, warmup: int = 2, repeats: int = 10) -> float:
-    """Median wall time of fn() after warm-up, each run waited on with block_until_ready."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
+def median_seconds(fn: Callable[[], Any], *, calls: int = 10, samples: int = 5,
+                   wait: Callable[[Any], Any] = jax.block_until_ready) -> float:
+    """Median seconds per call of fn(), each sample `calls` launches then one wait(result).
+
+    Launching several calls before waiting keeps launch latency from swamping short kernels.
+    The first batch (compilation included) is not timed.
+    """
+    def batch():
+        out = None
+        for _ in range(calls):
+            out = fn()
+        wait(out)
+
+    batch()
     times = []
-    for _ in range(repeats):
+    for _ in range(samples):
         start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
+        batch()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
