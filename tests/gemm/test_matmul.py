@@ -1,5 +1,6 @@
 """GEMM correctness against a float64 golden, gradients, transformations and bad input."""
 
+import dataclasses
 import functools
 
 import jax
@@ -37,6 +38,16 @@ def test_matches_golden(impl, dtype, m, n, k):
     rng = np.random.default_rng(m * n + k)
     out = _check_matmul(impl, random(rng, (m, k), dtype), random(rng, (k, n), dtype))
     assert out.shape == (m, n) and out.dtype == dtype
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_tile_orders(impl, group_m):
+    """group_m == 1 runs a 2-D grid; group_m == 3 leaves a ragged last group of row tiles."""
+    rng = np.random.default_rng(group_m)
+    config = dataclasses.replace(SMALL, group_m=group_m)
+    _check_matmul(impl, random(rng, (150, 100), jnp.float16), random(rng, (100, 70), jnp.float16),
+                  config=config)
 
 
 def _gelu(x):
