@@ -1,13 +1,13 @@
 """Timing shared by every benchmark: warm-up, rotated inputs, medians, same rules for each side.
 
-Each sample launches several calls back-to-back and waits once (`median_seconds`), so launch
-latency is amortised the same way for jattn, XLA and torch. Inputs rotate among enough copies
-to overflow the L2 cache, so small problems are not timed out of cache.
+Launch overhead is kept out of the numbers the same way on both sides: JAX runs one pass over
+all rotated input sets inside a single jitted program, torch replays a CUDA graph of the same
+pass. Inputs rotate among enough copies to overflow the L2 cache (and to amortise the one
+dispatch), so small problems are not timed out of cache.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,27 +17,38 @@ import jax
 from jattn._src.tuning.autotune import median_seconds
 
 L2_BYTES = 50 * 2**20  # H100
-CALLS, SAMPLES = 20, 7
+MIN_COPIES = 32            # calls per timed pass, to amortise a dispatch (~40 us from Python)
+MAX_INPUT_BYTES = 4 * 2**30
 
 
-def copies_to_defeat_l2(bytes_per_input_set: int) -> int:
-    """How many input sets to rotate so that the working set is at least 3x the L2 cache."""
-    return max(1, min(16, -(-3 * L2_BYTES // max(1, bytes_per_input_set))))
+def input_copies(bytes_per_input_set: int) -> int:
+    """How many distinct input sets to rotate: >= 3x L2 in total and >= MIN_COPIES calls,
+    within MAX_INPUT_BYTES. Distinct sets also stop XLA from merging repeated calls."""
+    wanted = max(MIN_COPIES, -(-3 * L2_BYTES // max(1, bytes_per_input_set)))
+    return max(1, min(wanted, MAX_INPUT_BYTES // max(1, bytes_per_input_set)))
 
 
 def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> float:
-    """Median seconds per call of a (jitted) JAX function over rotating argument sets."""
-    rotation = itertools.cycle(arg_sets)
-    return median_seconds(lambda: fn(*next(rotation)), calls=CALLS, samples=SAMPLES)
+    """Median seconds per call of a JAX function, one pass over the sets per dispatch."""
+    one_pass = jax.jit(lambda sets: [fn(*args) for args in sets])
+    return median_seconds(lambda: one_pass(arg_sets), calls=3, samples=7) / len(arg_sets)
 
 
 def time_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> float:
-    """Median seconds per call of a torch function on CUDA, measured like `time_jax`."""
+    """Median seconds per call of a torch function on CUDA, one graph replay per pass."""
     import torch
 
-    rotation = itertools.cycle(arg_sets)
-    return median_seconds(lambda: fn(*next(rotation)), calls=CALLS, samples=SAMPLES,
-                          wait=lambda _: torch.cuda.synchronize())
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # warm up (cuBLAS handles, autotuning) before capture
+        for args in arg_sets[:2]:
+            fn(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in arg_sets:
+            fn(*args)
+    return median_seconds(graph.replay, calls=3, samples=7,
+                          wait=lambda _: torch.cuda.synchronize()) / len(arg_sets)
 
 
 def first_call_seconds(fn: Callable[..., Any], *args: Any) -> float:

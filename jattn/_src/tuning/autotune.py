@@ -66,7 +66,9 @@ def autotune(candidates: Sequence[Config], make_run: Callable[[Config], Callable
         except Exception:  # a candidate the compiler rejects (resources, lowering) is skipped
             seconds = float("inf")
         timings.append((config, seconds))
-    best, best_time = min(timings, key=lambda item: item[1])
-    if best_time == float("inf"):
+    ranked = sorted(timings, key=lambda item: item[1])
+    if ranked[0][1] == float("inf"):
         raise RuntimeError(f"{desc}: every candidate config failed to compile or run.")
-    return best, timings
+    summary = "; ".join(f"{seconds * 1e6:.1f} us {config}" for config, seconds in ranked[:3])
+    print(f"{desc}: fastest {summary}", file=sys.stderr)
+    return ranked[0][0], timings
