@@ -49,9 +49,10 @@ def test_transposed_operands_lower(transpose_a, transpose_b):
 def test_bias_epilogue_with_indices_and_capture_lowers():
     config = MatmulConfig(block_m=64, block_n=128, block_k=64)
     scale = jnp.float32(0.5)
+    col_bias = jnp.ones((515,))  # not a power of two: read element-wise, never whole
 
     def epilogue(x, rows, cols):
-        return jnp.where(rows > cols, jax.nn.gelu(x) * scale, jnp.tanh(x))
+        return jnp.where(rows > cols, jax.nn.gelu(x) * scale, jnp.tanh(x)) + col_bias[cols]
 
     def tile_signature(m, n):
         return (_spec((m, n), jnp.float32), _spec((m, 1), jnp.int32), _spec((1, n), jnp.int32))

@@ -73,6 +73,32 @@ def test_bias_and_epilogue(impl, epilogue, takes_indices):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_epilogue_looks_up_captured_vectors(impl):
+    """Per-column scale and per-row shift tables of non-power-of-two length, with gradients."""
+    rng = np.random.default_rng(7)
+    a, b = random(rng, (45, 40), jnp.float32), random(rng, (40, 70), jnp.float32)
+    col_scale, row_shift = random(rng, (70,)), random(rng, (45,))
+    cotangent = random(rng, (45, 70))
+
+    def ours(a, b, col_scale, row_shift):
+        return jattn.matmul(a, b, epilogue=lambda x, r, c: x * col_scale[c] + row_shift[r],
+                            config=SMALL, implementation=impl)
+
+    def reference(a, b, col_scale, row_shift):
+        return matmul_reference(a, b, epilogue=lambda x, r, c: x * col_scale[c] + row_shift[r],
+                                epilogue_takes_indices=True)
+
+    args = (a, b, col_scale, row_shift)
+    assert_close(jax.jit(ours)(*args), golden(reference, *args), low_precision(reference, *args))
+    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
+    gold = golden(lambda *x: random_cotangent_vjp(reference, x[:4], x[4]), *args, cotangent)
+    low = low_precision(lambda *x: random_cotangent_vjp(reference, x[:4], x[4]), *args,
+                        cotangent)
+    for name, g, g64, g_low in zip(("a", "b", "col_scale", "row_shift"), grads, gold, low):
+        assert_close(g, g64, g_low, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_split_k_applies_bias_and_epilogue_after_the_sum(impl):
     rng = np.random.default_rng(2)
     a, b = random(rng, (20, 200), jnp.float32), random(rng, (200, 40), jnp.float32)

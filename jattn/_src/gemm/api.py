@@ -277,7 +277,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         `f(x)` or `f(x, rows, cols)` with int32 global row [.., 1] and column [1, ..] indices
         (e.g. `jax.nn.gelu`; exact-erf gelu does not lower to Triton, the tanh form does). It must
         return an array shaped like x. Arrays it closes over become kernel inputs and receive
-        gradients; on the GPU they are loaded whole, so their sizes must be powers of two.
+        gradients; index them element-wise (`scale[cols]`) — in the kernel each lookup is a
+        gather-load, and an array used whole must have a power-of-two size.
       out_dtype: output dtype (default a.dtype).
       config: a MatmulConfig (used as given), None (cached tuning result, else heuristic) or
         "autotune" (time the search space on this device once and cache the winner). Backward

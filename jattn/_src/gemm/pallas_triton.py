@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.pallas_triton_lookup import call_in_kernel
 from jattn._src.user_functions import TracedFunction
 
 
@@ -137,8 +138,7 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
     if epilogue is not None:
         rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         cols = n0 + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
-        captures = [ref[...] for ref in capture_refs]
-        acc = epilogue(captures, acc, rows, cols)[0]
+        acc = call_in_kernel(epilogue, capture_refs, acc, rows, cols)[0]
     _store(out_refs[0], ..., acc.astype(out_refs[0].dtype), tile_mask)
 
 
@@ -188,7 +188,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     ]
     if bias is not None:
         in_specs.append(pl.BlockSpec((bn,), lambda *ids: (cols(*ids),)))
-    # Captured arrays are loaded whole by every program.
+    # Captured arrays stay whole in memory; the epilogue reads the elements it indexes.
     in_specs += [pl.BlockSpec(c.shape, lambda *ids, nd=jnp.ndim(c): (0,) * nd) for c in captures]
 
     tile_spec = pl.BlockSpec((bm, bn), lambda *ids: (rows(*ids), cols(*ids)))
