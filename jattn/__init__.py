@@ -1,7 +1,14 @@
 """jattn: FlexAttention, flex decoding and GEMM kernels for JAX, written in Pallas."""
 
+from jattn import masks as masks
+from jattn import mods as mods
+from jattn._src.attention.api import flex_attention as flex_attention
+from jattn._src.attention.config import AttentionConfig as AttentionConfig
 from jattn._src.gemm.api import bmm as bmm
 from jattn._src.gemm.api import matmul as matmul
 from jattn._src.gemm.config import MatmulConfig as MatmulConfig
+from jattn._src.masks.block_mask import BlockMask as BlockMask
+from jattn._src.masks.create import create_block_mask as create_block_mask
+from jattn._src.masks.create import create_mask as create_mask
 
 __version__ = "0.1.0"

@@ -44,24 +44,33 @@ class TracedFunction:
         return jaxpr_as_fun(_with_consts(self.closed_jaxpr, consts))(*args)
 
 
-def trace_with_captures(
-    fn: Callable[..., Any], *signatures: Sequence[jax.ShapeDtypeStruct]
-) -> tuple[list[TracedFunction], list[Any]]:
-    """Traces `fn` once per argument signature; the traces share one list of captured arrays.
+class CaptureSet:
+    """Traces user functions so that they share one list of captured arrays.
 
-    Captured arrays are matched across traces by identity, so a bias table closed over by `fn`
-    appears once in the returned list however many traces use it.
+    Captured arrays are matched by identity, so a bias table closed over by two functions (or
+    by one function traced at several shapes) appears once in `captures`.
     """
-    captures: list[Any] = []
-    slot_of: dict[int, int] = {}
-    traced = []
-    for signature in signatures:
+
+    def __init__(self):
+        self.captures: list[Any] = []
+        self._slot_of: dict[int, int] = {}
+
+    def trace(self, fn: Callable[..., Any],
+              signature: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:
         closed = jax.make_jaxpr(fn)(*signature)
         slots = []
         for const in closed.consts:
-            if id(const) not in slot_of:
-                slot_of[id(const)] = len(captures)
-                captures.append(const)
-            slots.append(slot_of[id(const)])
-        traced.append(TracedFunction(closed, tuple(slots)))
-    return traced, captures
+            if id(const) not in self._slot_of:
+                self._slot_of[id(const)] = len(self.captures)
+                self.captures.append(const)
+            slots.append(self._slot_of[id(const)])
+        return TracedFunction(closed, tuple(slots))
+
+
+def trace_with_captures(
+    fn: Callable[..., Any], *signatures: Sequence[jax.ShapeDtypeStruct]
+) -> tuple[list[TracedFunction], list[Any]]:
+    """Traces `fn` once per argument signature; the traces share one list of captured arrays."""
+    capture_set = CaptureSet()
+    traced = [capture_set.trace(fn, signature) for signature in signatures]
+    return traced, capture_set.captures

@@ -1,0 +1,256 @@
+"""Public flex attention: validation, mask and mod preparation, config choice, custom_vjp."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src import platform
+from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
+from jattn._src.attention.common import Mods, Problem
+from jattn._src.attention.config import AttentionConfig, heuristic_config
+from jattn._src.masks.block_mask import BlockMask, _cdiv
+from jattn._src.user_functions import CaptureSet
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_DEFAULT_BLOCK = 128
+ScoreMod = Callable[..., jax.Array]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+def _check_inputs(q, k, v, enable_gqa: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"flex_attention: `{name}` must be [batch, heads, length, dim], got "
+                             f"shape {x.shape}.")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"flex_attention: `{name}` has dtype {x.dtype}; supported are "
+                            "bfloat16, float16 and float32.")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
+                        f"{k.dtype} and {v.dtype}.")
+    (B, Hq, L, E), (Bk, Hkv, S, Ek) = q.shape, k.shape
+    if Ek != E:
+        raise ValueError(f"flex_attention: q {q.shape} and k {k.shape} must have the same head "
+                         "dim (last axis).")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"flex_attention: k {k.shape} and v {v.shape} must agree on batch, "
+                         "heads and length.")
+    if Bk not in (B, 1):
+        raise ValueError(f"flex_attention: k/v batch {Bk} must equal q's batch {B} or be 1 "
+                         "(broadcast).")
+    if Hq % Hkv:
+        raise ValueError(f"flex_attention: query heads {Hq} must be a multiple of kv heads "
+                         f"{Hkv} (q {q.shape}, k {k.shape}).")
+    if Hq != Hkv and not enable_gqa:
+        raise ValueError(f"flex_attention: q has {Hq} heads and k/v {Hkv}; pass "
+                         "enable_gqa=True for grouped-query attention.")
+
+
+def _check_block_mask(block_mask: BlockMask, B: int, Hq: int, L: int, S: int) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("flex_attention: `block_mask` must be a jattn.BlockMask (see "
+                        f"jattn.create_block_mask), got {type(block_mask).__name__}.")
+    Bm, Hm, Lm, Sm = block_mask.shape
+    if (Lm, Sm) != (L, S):
+        raise ValueError(f"flex_attention: block_mask was built for Q_LEN={Lm}, KV_LEN={Sm} but "
+                         f"q has length {L} and k {S}; build it with these lengths.")
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"flex_attention: block_mask batch/heads ({Bm}, {Hm}) must be 1 or "
+                         f"match q's ({B}, {Hq}).")
+
+
+def _full_block_mask(L: int, S: int) -> BlockMask:
+    """Every block full: plain attention through the same machinery."""
+    block = (_DEFAULT_BLOCK, _DEFAULT_BLOCK)
+    full = jnp.ones((1, 1, _cdiv(L, block[0]), _cdiv(S, block[1])), bool)
+    return BlockMask.from_dense_blocks(jnp.zeros_like(full), full, block_size=block,
+                                       seq_lengths=(L, S), mask_mod=None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Mods, traced at each implementation's tile shapes
+# ------------------------------------------------------------------------------------------------
+
+def _i32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def _tile_signature(block_q: int, block_k: int):
+    score = jax.ShapeDtypeStruct((block_q, block_k), jnp.float32)
+    return score, (_i32(), _i32(), _i32(block_q, 1), _i32(1, block_k))
+
+
+def _checked_score_mod(score_mod: ScoreMod) -> ScoreMod:
+    def checked(score, b, h, q_idx, kv_idx):
+        out = score_mod(score, b, h, q_idx, kv_idx)
+        if jnp.shape(out) != score.shape or not jnp.issubdtype(jnp.result_type(out),
+                                                               jnp.floating):
+            raise ValueError(f"score_mod must return a float array shaped like its score "
+                             f"{list(score.shape)}, got {jnp.result_type(out)}"
+                             f"{list(jnp.shape(out))}.")
+        return out.astype(jnp.float32)
+    return checked
+
+
+def _checked_mask_mod(mask_mod) -> Callable[..., jax.Array]:
+    def checked(b, h, q_idx, kv_idx):
+        out = mask_mod(b, h, q_idx, kv_idx)
+        if jnp.result_type(out) != jnp.bool_:
+            raise TypeError(f"mask_mod must return bool, got {jnp.result_type(out)}; compare "
+                            "instead (e.g. `q_idx >= kv_idx`).")
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx), jnp.shape(b),
+                                     jnp.shape(h))
+        return jnp.broadcast_to(out, shape)
+    return checked
+
+
+def _trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet, score_sig,
+                index_sig) -> Mods:
+    score = score_vjp = mask = None
+    if score_mod is not None:
+        score = score_set.trace(score_mod, (score_sig, *index_sig))
+
+        def score_vjp_fn(s, b, h, q_idx, kv_idx, d_out):
+            return jax.vjp(lambda x: score_mod(x, b, h, q_idx, kv_idx), s)[1](d_out)[0]
+
+        score_vjp = score_set.trace(score_vjp_fn, (score_sig, *index_sig, score_sig))
+    if mask_mod is not None:
+        mask = mask_set.trace(mask_mod, index_sig)
+    return Mods(score, score_vjp, mask)
+
+
+# ------------------------------------------------------------------------------------------------
+# custom_vjp around the implementations
+# ------------------------------------------------------------------------------------------------
+
+def _forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
+    if p.implementation == "xla":
+        return xla.forward(p, q, k, v, masks["partial"], masks["full"], score_caps, mask_caps)
+    return pallas_triton_fwd.forward(p, q, k, v, masks, score_caps, mask_caps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flex(p: Problem, q, k, v, masks, score_caps, mask_caps):
+    return _forward(p, q, k, v, masks, score_caps, mask_caps)
+
+
+def _flex_fwd(p: Problem, q, k, v, masks, score_caps, mask_caps):
+    out, lse = _forward(p, q, k, v, masks, score_caps, mask_caps)
+    return (out, lse), (q, k, v, masks, score_caps, mask_caps, out, lse)
+
+
+def _flex_bwd(p: Problem, residuals, cotangents):
+    q, k, v, masks, score_caps, mask_caps, out, lse = residuals
+    d_out, d_lse = cotangents
+    d_lse = d_lse.astype(jnp.float32)
+    if p.implementation == "xla":
+        dq, dk, dv, d_caps = xla.backward(p, q, k, v, masks["partial"], masks["full"],
+                                          score_caps, mask_caps, out, lse, d_out, d_lse)
+    else:
+        dq, dk, dv = pallas_triton_bwd.backward(p, q, k, v, masks, score_caps, mask_caps, out,
+                                                lse, d_out, d_lse)
+        d_caps = xla.capture_cotangents(score_caps, {})
+        if any(jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps):
+            # Gradients of captured arrays: an XLA pass over key blocks (deterministic).
+            *_, d_caps = xla.backward(p, q, k, v, masks["partial"], masks["full"], score_caps,
+                                      mask_caps, out, lse, d_out, d_lse, operand_grads=False)
+    d_masks = jax.tree.map(lambda m: np.zeros(m.shape, jax.dtypes.float0), masks)
+    return dq, dk, dv, d_masks, tuple(d_caps), tuple(xla.capture_cotangents(mask_caps, {}))
+
+
+_flex.defvjp(_flex_fwd, _flex_bwd)
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+def _mask_arrays(implementation: str, block_mask: BlockMask) -> dict[str, jax.Array]:
+    if implementation == "xla":
+        return {"partial": block_mask.partial_blocks(), "full": block_mask.full_blocks()}
+    masks = {"kv_num_blocks": block_mask.kv_num_blocks, "kv_indices": block_mask.kv_indices,
+             "q_num_blocks": block_mask.q_num_blocks, "q_indices": block_mask.q_indices}
+    if block_mask.full_kv_num_blocks is not None:
+        masks.update(full_kv_num_blocks=block_mask.full_kv_num_blocks,
+                     full_kv_indices=block_mask.full_kv_indices,
+                     full_q_num_blocks=block_mask.full_q_num_blocks,
+                     full_q_indices=block_mask.full_q_indices)
+    masks = {name: jnp.asarray(x, jnp.int32) for name, x in masks.items()}
+    # The backward's XLA pass for captured-array gradients needs the dense tables too.
+    masks.update(partial=block_mask.partial_blocks(), full=block_mask.full_blocks())
+    return masks
+
+
+def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                   score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None, *,
+                   scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False, config: AttentionConfig | None = None,
+                   implementation: str | None = None):
+    """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
+
+    Args:
+      q: [B, Hq, L, E]; k: [B|1, Hkv, S, E]; v: [B|1, Hkv, S, Ev] — bfloat16, float16 or float32,
+        one dtype. Hq must be a multiple of Hkv (enable_gqa=True when they differ); query head h
+        reads kv head h // (Hq // Hkv). Any L, S, E, Ev (ragged tiles are masked).
+      score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on float32 scores (after scale) and
+        broadcastable int32 indices; arrays it closes over become kernel inputs and get gradients.
+      block_mask: from `jattn.create_block_mask` / `BlockMask.from_kv_blocks`, built for (L, S);
+        partial blocks apply its mask_mod, full blocks skip it, other blocks are never visited.
+        None attends everywhere.
+      scale: score scale, default 1/sqrt(E). return_lse: also return the natural-log LSE.
+      config: an AttentionConfig for the kernels (None: heuristic). implementation:
+        "pallas_triton", "xla" or "interpret" (default: $JATTN_IMPLEMENTATION, else by platform).
+
+    Returns:
+      out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L]. A query
+      that attends to nothing gives 0 and LSE -inf. Differentiable in q, k, v, captured arrays of
+      score_mod and (through its cotangent) the LSE.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check_inputs(q, k, v, enable_gqa)
+    (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
+    if block_mask is None:
+        block_mask = _full_block_mask(L, S)
+    _check_block_mask(block_mask, B, Hq, L, S)
+    implementation = platform.resolve_implementation(implementation)
+    scale = float(E ** -0.5 if scale is None else scale)
+
+    score_mod = None if score_mod is None else _checked_score_mod(score_mod)
+    mask_mod = None if block_mask.mask_mod is None else _checked_mask_mod(block_mask.mask_mod)
+    score_set, mask_set = CaptureSet(), CaptureSet()
+    partial_problem = dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
+                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
+                           mask_block=block_mask.block_size,
+                           has_full_blocks=block_mask.full_kv_num_blocks is not None,
+                           scale=scale, implementation=implementation)
+    score_sig, index_sig = xla.block_signature(Problem(**partial_problem, config=None,
+                                                       fwd=Mods(), bwd=Mods(), xla=Mods()))
+    xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)
+    resolved = None
+    fwd_mods = bwd_mods = xla_mods
+    if implementation != "xla":
+        padded_e = 1 << max(4, (E - 1).bit_length())
+        resolved = config or heuristic_config(padded_e, block_mask.block_size)
+        resolved.check_fits(block_mask.block_size)
+        fwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
+                               *_tile_signature(resolved.block_q, resolved.block_k))
+        bwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
+                               *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k))
+    problem = Problem(**partial_problem, config=resolved, fwd=fwd_mods, bwd=bwd_mods,
+                      xla=xla_mods)
+    out, lse = _flex(problem, q, k, v, _mask_arrays(implementation, block_mask),
+                     tuple(score_set.captures), tuple(mask_set.captures))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,224 @@
+"""Flex attention backward kernels (Pallas, lowered to Triton).
+
+Two kernels, no atomics, so results are deterministic:
+- dQ: grid (query tiles, B·Hq); walks the kv-major block lists like the forward, recomputing
+  P = exp2(t - lse₂) and dS = P ∘ (dP - delta), then dQ += dS'·K with dS' the gradient through
+  score_mod (`jax.vjp` of the mod, evaluated in the kernel).
+- dK/dV: grid (kv tiles, B·Hkv); walks the q-major lists for each of the G query heads of its
+  kv head, accumulating dV += Pᵀ·dO and dK += dS'ᵀ·Q. With a broadcast k/v batch (Bk = 1) it
+  writes one fp32 slice per query batch, summed afterwards by XLA.
+delta = rowsum(O ∘ dO) - d_lse comes from XLA (it folds in the LSE cotangent).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn._src.attention import pallas_triton_tiles as tiles
+from jattn._src.attention.common import Problem
+from jattn._src.constants import LOG2_E
+from jattn._src.pallas_triton_lookup import call_in_kernel
+
+
+def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
+    ins = refs[:n_in]
+    lists = refs[n_in:n_in + n_lists]
+    score_refs = refs[n_in + n_lists:n_in + n_lists + n_score]
+    mask_refs = refs[n_in + n_lists + n_score:n_in + n_lists + n_score + n_mask]
+    outs = refs[n_in + n_lists + n_score + n_mask:]
+    return ins, lists, score_refs, mask_refs, outs
+
+
+def _ds(p: Problem, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp):
+    """(P, dS' = gradient w.r.t. the raw scaled score) of one tile."""
+    prob = jnp.exp2(s * LOG2_E - lse2[:, None])
+    if keep is not None:
+        prob = jnp.where(keep, prob, 0.0)
+    ds = prob * (dp - delta[:, None])
+    if p.bwd.score_vjp is not None:
+        ds = call_in_kernel(p.bwd.score_vjp, score_refs, raw, b, h, q_idx, kv_idx, ds)[0]
+    if keep is not None:
+        ds = jnp.where(keep, ds, 0.0)
+    return prob, ds
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ
+# ------------------------------------------------------------------------------------------------
+
+def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, (dq_ref,) = (
+        _split_refs(refs, n_lists, n_score, n_mask, 6))
+    bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
+    mask_bq, mask_bk = p.mask_block
+    per_block = mask_bk // bk
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // p.Hq, bh % p.Hq
+    mb = b if p.mask_batch > 1 else 0
+    mh = h if p.mask_heads > 1 else 0
+    q0 = i * bq
+    row = q0 // mask_bq
+    here = (slice(None),)
+    q_tile = tiles.load_tile(q_ref, here, q0, bq, p.L, p.E)
+    do_tile = tiles.load_tile(do_ref, here, q0, bq, p.L, p.Ev)
+    lse2 = tiles.load_vector(lse_ref, here, q0, bq, p.L)
+    delta = tiles.load_vector(delta_ref, here, q0, bq, p.L)
+
+    def visit(j, dq, indices_ref, apply_mask_mod):
+        kv0 = indices_ref[mb, mh, row, j // per_block] * mask_bk + (j % per_block) * bk
+        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
+        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev)
+        raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
+            p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
+        dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        _, ds = _ds(p, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp)
+        return dq + jnp.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=jnp.float32)
+
+    dq = jnp.zeros((bq, tiles.padded(p.E)), jnp.float32)
+    for k in range(0, n_lists, 2):
+        dq = lax.fori_loop(0, lists[k][mb, mh, row] * per_block,
+                           functools.partial(visit, indices_ref=lists[k + 1],
+                                             apply_mask_mod=k == 0), dq)
+    tiles.store_tile(dq_ref, here, (dq * p.scale).astype(dq_ref.dtype), q0, p.L, p.E)
+
+
+# ------------------------------------------------------------------------------------------------
+# dK / dV
+# ------------------------------------------------------------------------------------------------
+
+def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, outs = (
+        _split_refs(refs, n_lists, n_score, n_mask, 6))
+    dk_ref, dv_ref = outs
+    bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
+    mask_bq, mask_bk = p.mask_block
+    per_block = mask_bq // bq
+    jt, bh = pl.program_id(0), pl.program_id(1)
+    b, hkv = bh // p.Hkv, bh % p.Hkv
+    mb = b if p.mask_batch > 1 else 0
+    kv0 = jt * bk
+    col = kv0 // mask_bk
+    here = (slice(None),)
+    k_tile = tiles.load_tile(k_ref, here, kv0, bk, p.S, p.E)
+    v_tile = tiles.load_tile(v_ref, here, kv0, bk, p.S, p.Ev)
+
+    def head(g, carry):
+        h = hkv * p.groups + g
+        mh = h if p.mask_heads > 1 else 0
+
+        def visit(j, carry, indices_ref, apply_mask_mod):
+            dk, dv = carry
+            q0 = indices_ref[mb, mh, col, j // per_block] * mask_bq + (j % per_block) * bq
+            rows = (g, pl.ds(q0, bq))
+            q_tile = tiles.load_tile(q_ref, rows, q0, bq, p.L, p.E)
+            do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev)
+            lse2 = tiles.load_vector(lse_ref, rows, q0, bq, p.L)
+            delta = tiles.load_vector(delta_ref, rows, q0, bq, p.L)
+            raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
+                p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
+            dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            prob, ds = _ds(p, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp)
+            transposed = (((0,), (0,)), ((), ()))
+            dv = dv + lax.dot_general(prob.astype(do_tile.dtype), do_tile, transposed,
+                                      preferred_element_type=jnp.float32)
+            dk = dk + lax.dot_general(ds.astype(q_tile.dtype), q_tile, transposed,
+                                      preferred_element_type=jnp.float32)
+            return dk, dv
+
+        for k in range(0, n_lists, 2):
+            carry = lax.fori_loop(0, lists[k][mb, mh, col] * per_block,
+                                  functools.partial(visit, indices_ref=lists[k + 1],
+                                                    apply_mask_mod=k == 0), carry)
+        return carry
+
+    dk, dv = lax.fori_loop(0, p.groups, head,
+                           (jnp.zeros((bk, tiles.padded(p.E)), jnp.float32),
+                            jnp.zeros((bk, tiles.padded(p.Ev)), jnp.float32)))
+    tiles.store_tile(dk_ref, here, (dk * p.scale).astype(dk_ref.dtype), kv0, p.S, p.E)
+    tiles.store_tile(dv_ref, here, dv.astype(dv_ref.dtype), kv0, p.S, p.Ev)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+
+def backward(p: Problem, q, k, v, masks, score_caps, mask_caps, out, lse, d_out, d_lse):
+    """(dq, dk, dv) of flex attention; d_lse is the natural-log LSE's cotangent."""
+    cfg = p.config
+    bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
+    e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
+    q_span = tiles.cdiv(p.L, p.mask_block[0]) * p.mask_block[0]
+    kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
+    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
+    lse2 = jnp.where(jnp.isneginf(lse), 0.0, lse * LOG2_E)
+    params = plgpu.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
+    interpret = p.implementation == "interpret"
+    caps = (*score_caps, *mask_caps)
+    common = dict(p=p, n_score=len(score_caps), n_mask=len(mask_caps))
+
+    # ---- dQ ----
+    kv_lists = tiles.mask_lists(masks, "kv")
+
+    def q_index(i, bh):
+        return bh // p.Hq, bh % p.Hq, i, 0
+
+    def kv_panel(i, bh):
+        return (bh // p.Hq if p.kv_batch > 1 else 0), (bh % p.Hq) // p.groups, 0, 0
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, n_lists=len(kv_lists), **common),
+        grid=(tiles.cdiv(p.L, bq), p.B * p.Hq),
+        in_specs=[pl.BlockSpec((None, None, bq, e_pad), q_index),
+                  pl.BlockSpec((None, None, kv_span, e_pad), kv_panel),
+                  pl.BlockSpec((None, None, kv_span, ev_pad), kv_panel),
+                  pl.BlockSpec((None, None, bq, ev_pad), q_index),
+                  pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3]),
+                  pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3]),
+                  *[tiles.whole(x) for x in (*kv_lists, *caps)]],
+        out_specs=pl.BlockSpec((None, None, bq, e_pad), q_index),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params, interpret=interpret, name="jattn_flex_bwd_dq",
+    )(q, k, v, d_out, lse2, delta, *kv_lists, *caps)
+
+    # ---- dK, dV ----
+    q_lists = tiles.mask_lists(masks, "q")
+    G = p.groups
+
+    def heads_panel(j, bh):
+        return bh // p.Hkv, bh % p.Hkv, 0, 0
+
+    def kv_tile(j, bh):
+        return (bh // p.Hkv if p.kv_batch > 1 else 0), bh % p.Hkv, j, 0
+
+    def per_batch(j, bh):
+        return bh // p.Hkv, bh % p.Hkv, j, 0
+
+    grad_dtype = k.dtype if p.kv_batch == p.B else jnp.float32
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, n_lists=len(q_lists), **common),
+        grid=(tiles.cdiv(p.S, bk), p.B * p.Hkv),
+        in_specs=[pl.BlockSpec((None, G, q_span, e_pad), heads_panel),
+                  pl.BlockSpec((None, None, bk, e_pad), kv_tile),
+                  pl.BlockSpec((None, None, bk, ev_pad), kv_tile),
+                  pl.BlockSpec((None, G, q_span, ev_pad), heads_panel),
+                  pl.BlockSpec((None, G, q_span), lambda j, bh: heads_panel(j, bh)[:3]),
+                  pl.BlockSpec((None, G, q_span), lambda j, bh: heads_panel(j, bh)[:3]),
+                  *[tiles.whole(x) for x in (*q_lists, *caps)]],
+        out_specs=[pl.BlockSpec((None, None, bk, e_pad), per_batch),
+                   pl.BlockSpec((None, None, bk, ev_pad), per_batch)],
+        out_shape=[jax.ShapeDtypeStruct((p.B, p.Hkv, p.S, p.E), grad_dtype),
+                   jax.ShapeDtypeStruct((p.B, p.Hkv, p.S, p.Ev), grad_dtype)],
+        compiler_params=params, interpret=interpret, name="jattn_flex_bwd_dkdv",
+    )(q, k, v, d_out, lse2, delta, *q_lists, *caps)
+    if p.kv_batch == 1:
+        dk = dk.sum(axis=0, keepdims=True).astype(k.dtype)
+        dv = dv.sum(axis=0, keepdims=True).astype(v.dtype)
+    return dq, dk, dv

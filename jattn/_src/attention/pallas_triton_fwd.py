@@ -1,0 +1,112 @@
+"""Flex attention forward kernel (Pallas, lowered to Triton).
+
+Grid: (query tiles, B·Hq). A program holds one [block_q, E] query tile and walks the key/value
+blocks its BlockMask row lists: first the partial blocks (score_mod, then mask_mod), then the
+full blocks (score_mod only), with an online softmax in base 2. K and V are whole-sequence
+panels of the program's kv head (h // G), so GQA costs no copies.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn._src.attention import pallas_triton_tiles as tiles
+from jattn._src.attention.common import Problem
+from jattn._src.constants import LOG2_E, MASK_VALUE
+
+
+def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
+    q_ref, k_ref, v_ref = refs[:3]
+    list_refs = refs[3:3 + n_lists]
+    score_refs = refs[3 + n_lists:3 + n_lists + n_score]
+    mask_refs = refs[3 + n_lists + n_score:3 + n_lists + n_score + n_mask]
+    out_ref, lse_ref = refs[-2:]
+    bq, bk = p.config.block_q, p.config.block_k
+    mask_bq, mask_bk = p.mask_block
+    per_block = mask_bk // bk
+
+    # ---- this program: query tile i of (b, h) --------------------------------------------------
+    i, bh = pl.program_id(0), pl.program_id(1)
+    b, h = bh // p.Hq, bh % p.Hq
+    mb = b if p.mask_batch > 1 else 0
+    mh = h if p.mask_heads > 1 else 0
+    q0 = i * bq
+    row = q0 // mask_bq
+    q_tile = tiles.load_tile(q_ref, (slice(None),), q0, bq, p.L, p.E)
+
+    def visit(j, carry, indices_ref, apply_mask_mod):
+        m_i, l_i, acc = carry
+        kv0 = indices_ref[mb, mh, row, j // per_block] * mask_bk + (j % per_block) * bk
+        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
+        _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
+                                             b, h, q0, kv0, apply_mask_mod)
+        t = s * LOG2_E
+        if keep is not None:
+            t = jnp.where(keep, t, MASK_VALUE)
+        m_new = jnp.maximum(m_i, t.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        prob = jnp.exp2(t - m_new[:, None])
+        if keep is not None:
+            prob = jnp.where(keep, prob, 0.0)
+        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev)
+        acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
+                                             preferred_element_type=jnp.float32)
+        return m_new, l_i * alpha + prob.sum(axis=1), acc
+
+    # ---- partial blocks, then full blocks -------------------------------------------------------
+    carry = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
+             jnp.zeros((bq, tiles.padded(p.Ev)), jnp.float32))
+    for k in range(0, n_lists, 2):
+        num_ref, indices_ref = list_refs[k], list_refs[k + 1]
+        carry = lax.fori_loop(0, num_ref[mb, mh, row] * per_block,
+                              functools.partial(visit, indices_ref=indices_ref,
+                                                apply_mask_mod=k == 0), carry)
+    m_i, l_i, acc = carry
+
+    # ---- normalise; rows that attend to nothing give 0 and LSE -inf ----------------------------
+    l_safe = jnp.where(l_i == 0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(l_safe)) / LOG2_E)
+    tiles.store_tile(out_ref, (slice(None),), out.astype(out_ref.dtype), q0, p.L, p.Ev)
+    rows = tiles.bounds(q0, bq, p.L, 0) if p.L % bq else None
+    tiles.store(lse_ref, slice(None), lse, None if rows is None else rows[:, 0])
+
+
+def forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
+    """(out [B, Hq, L, Ev], lse [B, Hq, L] float32 natural log)."""
+    bq = p.config.block_q
+    lists = tiles.mask_lists(masks, "kv")
+    e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
+    kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
+
+    def q_index(i, bh):
+        return bh // p.Hq, bh % p.Hq, i, 0
+
+    def kv_index(i, bh):
+        return (bh // p.Hq if p.kv_batch > 1 else 0), (bh % p.Hq) // p.groups, 0, 0
+
+    in_specs = [pl.BlockSpec((None, None, bq, e_pad), q_index),
+                pl.BlockSpec((None, None, kv_span, e_pad), kv_index),
+                pl.BlockSpec((None, None, kv_span, ev_pad), kv_index)]
+    in_specs += [tiles.whole(x) for x in (*lists, *score_caps, *mask_caps)]
+    kernel = functools.partial(_fwd_kernel, p=p, n_lists=len(lists), n_score=len(score_caps),
+                               n_mask=len(mask_caps))
+    return pl.pallas_call(
+        kernel,
+        grid=(tiles.cdiv(p.L, bq), p.B * p.Hq),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, None, bq, ev_pad), q_index),
+                   pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3])],
+        out_shape=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.Ev), q.dtype),
+                   jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps,
+                                             num_stages=p.config.num_stages),
+        interpret=p.implementation == "interpret",
+        name="jattn_flex_fwd",
+    )(q, k, v, *lists, *score_caps, *mask_caps)

@@ -1,0 +1,108 @@
+"""Pieces shared by the flex attention kernels: masked tile loads, scores of a tile, specs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jattn._src.attention.common import Mods, Problem
+from jattn._src.pallas_triton_lookup import call_in_kernel
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded(dim: int) -> int:
+    """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
+    return 1 << max(4, (dim - 1).bit_length())
+
+
+def bounds(start, size: int, limit: int, axis: int, *, always: bool = False):
+    """[size, 1] (axis 0) or [1, size] mask of start + i < limit; None if never needed."""
+    if not always and isinstance(start, int) and start + size <= limit:
+        return None
+    shape = (size, 1) if axis == 0 else (1, size)
+    return start + lax.broadcasted_iota(jnp.int32, shape, axis) < limit
+
+
+def both(x, y):
+    if x is None:
+        return y
+    return x if y is None else x & y
+
+
+def load(ref, index, mask):
+    """ref[index] with masked-out elements read as 0."""
+    if mask is None:
+        return ref[index]
+    return plgpu.load(ref.at[index], mask=mask, other=0)
+
+
+def store(ref, index, value, mask):
+    if mask is None:
+        ref[index] = value
+    else:
+        plgpu.store(ref.at[index], value, mask=mask)
+
+
+def load_tile(ref, index, row0, rows: int, length: int, dim: int):
+    """A [rows, padded(dim)] tile at ref[*index, :] whose first row is row `row0` of `length`:
+    rows past the length and columns past `dim` read as 0. `index` selects the rows (and any
+    leading dims)."""
+    mask = both(bounds(row0, rows, length, 0) if length % rows else None,
+                bounds(0, padded(dim), dim, 1))
+    return load(ref, (*index, slice(None)), mask)
+
+
+def load_vector(ref, index, row0, rows: int, length: int):
+    """A [rows] vector at ref[*index] whose first element is row `row0` of `length`."""
+    mask = bounds(row0, rows, length, 0) if length % rows else None
+    return load(ref, tuple(index), None if mask is None else mask[:, 0])
+
+
+def store_tile(ref, index, value, row0, length: int, dim: int):
+    """Stores a [rows, padded(dim)] tile at ref[*index, :], skipping rows/columns outside."""
+    rows = value.shape[0]
+    mask = both(bounds(row0, rows, length, 0) if length % rows else None,
+                bounds(0, padded(dim), dim, 1))
+    store(ref, (*index, slice(None)), value, mask)
+
+
+def tile_scores(p: Problem, mods: Mods, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0,
+                apply_mask_mod: bool):
+    """(raw scale·q·kᵀ, modded score, keep mask or None) of one [rows, cols] tile."""
+    rows, cols = q_tile.shape[0], k_tile.shape[0]
+    raw = lax.dot_general(q_tile, k_tile, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32) * p.scale
+    q_idx = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    s = raw
+    if mods.score is not None:
+        s = call_in_kernel(mods.score, score_refs, raw, b, h, q_idx, kv_idx)[0]
+    keep = None
+    if p.S % cols:
+        keep = kv_idx < p.S
+    if p.L % rows:
+        keep = both(keep, q_idx < p.L)
+    if apply_mask_mod and mods.mask is not None:
+        keep = both(keep, call_in_kernel(mods.mask, mask_refs, b, h, q_idx, kv_idx)[0])
+    return raw, s, keep, q_idx, kv_idx
+
+
+def whole(x: Any) -> pl.BlockSpec:
+    """A BlockSpec handing every program the whole array."""
+    return pl.BlockSpec(jnp.shape(x), lambda *ids, nd=jnp.ndim(x): (0,) * nd)
+
+
+def mask_lists(masks: dict[str, jax.Array], major: str) -> list[jax.Array]:
+    """The partial (and full, if any) block lists of one orientation: 'kv' or 'q'."""
+    names = [f"{major}_num_blocks", f"{major}_indices"]
+    if f"full_{major}_num_blocks" in masks:
+        names += [f"full_{major}_num_blocks", f"full_{major}_indices"]
+    return [masks[name] for name in names]

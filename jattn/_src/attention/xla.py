@@ -1,0 +1,189 @@
+"""Flex attention through XLA: a scan over key/value blocks with an online softmax.
+
+Memory is O(L · block) per step, never L x S. One step is one BlockMask column of blocks, so
+the block tables (partial / full) apply directly. Query heads are grouped by their kv head
+([B, Hkv, G, L, ...]) so K and V are never repeated. The backward recomputes scores block by
+block and also yields gradients for arrays captured by score_mod (through `jax.vjp` of the mod).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jattn._src.attention.common import Mods, Problem
+from jattn._src.constants import MASK_VALUE
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def block_signature(p: Problem):
+    """Argument shapes of score_mod / mask_mod on one XLA block [B, Hkv, G, L, block]."""
+    bk = p.mask_block[1]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    score = jax.ShapeDtypeStruct((p.B, p.Hkv, p.groups, p.L, bk), jnp.float32)
+    return score, (i32(p.B, 1, 1, 1, 1), i32(1, p.Hkv, p.groups, 1, 1), i32(1, 1, 1, p.L, 1),
+                   i32(1, 1, 1, 1, bk))
+
+
+def _indices(p: Problem):
+    b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None, None, None]
+    h = jnp.arange(p.Hq, dtype=jnp.int32).reshape(1, p.Hkv, p.groups, 1, 1)
+    q = jnp.arange(p.L, dtype=jnp.int32)[None, None, None, :, None]
+    return b, h, q
+
+
+def _blocked_kv(p: Problem, x: jax.Array) -> jax.Array:
+    """[Bk, Hkv, S, D] -> [nKV, B, Hkv, block, D], zero-padded to whole blocks."""
+    bk = p.mask_block[1]
+    n = _cdiv(p.S, bk)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, n * bk - p.S), (0, 0)))
+    x = jnp.broadcast_to(x, (p.B, *x.shape[1:]))
+    return jnp.moveaxis(x.reshape(p.B, p.Hkv, n, bk, x.shape[-1]), 2, 0)
+
+
+def _rows_of(p: Problem, table: jax.Array) -> jax.Array:
+    """A [Bm, Hm, nQ] block column -> [Bm, Hkv|1, G|1, L, 1] per query row."""
+    if p.mask_heads == p.Hq:
+        table = table.reshape(table.shape[0], p.Hkv, p.groups, -1)
+    else:
+        table = table[:, :, None, :]
+    return table[..., jnp.arange(p.L) // p.mask_block[0]][..., None]
+
+
+def _scores(p: Problem, mods: Mods, score_captures, mask_captures, qg, k_block, partial, full,
+            j):
+    """Raw and modded scores of one block and its keep mask."""
+    b, h, q = _indices(p)
+    kv = j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32)
+    kv = kv[None, None, None, None, :]
+    raw = jnp.einsum("bhgle,bhke->bhglk", qg, k_block,
+                     preferred_element_type=jnp.float32) * p.scale
+    s = raw if mods.score is None else mods.score(score_captures, raw, b, h, q, kv)[0]
+    attends = _rows_of(p, full)
+    if mods.mask is not None:
+        attends = attends | (_rows_of(p, partial) & mods.mask(mask_captures, b, h, q, kv)[0])
+    else:
+        attends = attends | _rows_of(p, partial)
+    keep = attends & (kv < p.S)
+    return raw, s, keep
+
+
+def _block_columns(tables):
+    return [jnp.moveaxis(t, -1, 0) for t in tables]  # [nKV, Bm, Hm, nQ]
+
+
+def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
+            mask_captures: Sequence[Any]):
+    """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] float32, natural log)."""
+    qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
+    shape = (p.B, p.Hkv, p.groups, p.L)
+
+    def step(carry, xs):
+        m, l, acc = carry
+        j, k_block, v_block, partial_j, full_j = xs
+        _, s, keep = _scores(p, p.xla, score_captures, mask_captures, qg, k_block, partial_j,
+                             full_j, j)
+        s = jnp.where(keep, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        e = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
+        l = alpha * l + e.sum(axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum(
+            "bhglk,bhke->bhgle", e.astype(v.dtype), v_block, preferred_element_type=jnp.float32)
+        return (m_new, l, acc), None
+
+    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, p.Ev), jnp.float32))
+    n_kv = _cdiv(p.S, p.mask_block[1])
+    xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
+          *_block_columns((partial, full)))
+    (m, l, acc), _ = lax.scan(step, init, xs)
+    l_safe = jnp.where(l == 0, 1.0, l)
+    out = (acc / l_safe[..., None]).astype(q.dtype).reshape(p.B, p.Hq, p.L, p.Ev)
+    lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe)).reshape(p.B, p.Hq, p.L)
+    return out, lse
+
+
+def capture_cotangents(captures: Sequence[Any], grads: dict[int, Any]) -> list[Any]:
+    """Cotangents for every captured array: the given float ones, float0 zeros for the rest."""
+    return [grads[i] if i in grads else np.zeros(np.shape(c), jax.dtypes.float0)
+            for i, c in enumerate(captures)]
+
+
+def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, out, lse, d_out,
+             d_lse, *, operand_grads: bool = True):
+    """(dq, dk, dv, d_score_captures); dq/dk/dv are None when operand_grads is False.
+
+    d_lse is the cotangent of the natural-log LSE: it enters as delta - d_lse.
+    """
+    group = lambda x: x.reshape(p.B, p.Hkv, p.groups, *x.shape[2:])  # noqa: E731
+    qg, dog = group(q), group(d_out)
+    delta = group(jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), -1) - d_lse)
+    lse = group(lse)
+    lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]
+    score_captures = list(score_captures)
+    learnable = [i for i, c in enumerate(score_captures)
+                 if jnp.issubdtype(jnp.result_type(c), jnp.floating)]
+
+    def with_learnable(values):
+        captures = list(score_captures)
+        for i, value in zip(learnable, values):
+            captures[i] = value
+        return captures
+
+    def step(carry, xs):
+        dq, d_caps = carry
+        j, k_block, v_block, partial_j, full_j = xs
+        raw, s, keep = _scores(p, p.xla, score_captures, mask_captures, qg, k_block, partial_j,
+                               full_j, j)
+        prob = jnp.where(keep, jnp.exp(s - lse_safe), 0.0)
+        dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=jnp.float32)
+        ds = prob * (dp - delta[..., None])
+        if p.xla.score is not None:
+            b, h, q_idx = _indices(p)
+            kv = (j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32))
+            kv = kv[None, None, None, None]
+
+            def mod(r, values):
+                return p.xla.score(with_learnable(values), r, b, h, q_idx, kv)[0]
+
+            _, mod_vjp = jax.vjp(mod, raw, [score_captures[i] for i in learnable])
+            ds, d_caps_j = mod_vjp(ds)
+            d_caps = jax.tree.map(jnp.add, d_caps, d_caps_j)
+        ds = jnp.where(keep, ds, 0.0)
+        if not operand_grads:
+            return (dq, d_caps), None
+        dq = dq + jnp.einsum("bhglk,bhke->bhgle", ds, k_block.astype(jnp.float32)) * p.scale
+        dk = jnp.einsum("bhglk,bhgle->bhke", ds, qg.astype(jnp.float32)) * p.scale
+        dv = jnp.einsum("bhglk,bhgle->bhke", prob.astype(v.dtype), dog,
+                        preferred_element_type=jnp.float32)
+        return (dq, d_caps), (dk, dv)
+
+    zeros_caps = [jnp.zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]))
+                  for i in learnable]
+    dq0 = jnp.zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32)
+    n_kv = _cdiv(p.S, p.mask_block[1])
+    xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
+          *_block_columns((partial, full)))
+    (dq, d_caps), per_block = lax.scan(step, (dq0, zeros_caps), xs)
+    d_caps = capture_cotangents(score_captures, dict(zip(learnable, d_caps)))
+    if not operand_grads:
+        return None, None, None, d_caps
+
+    def unblock(x, like):  # [nKV, B, Hkv, block, D] -> [Bk, Hkv, S, D]
+        x = jnp.moveaxis(x, 0, 2).reshape(p.B, p.Hkv, -1, x.shape[-1])[:, :, :p.S]
+        if p.kv_batch == 1:
+            x = x.sum(axis=0, keepdims=True)
+        return x.astype(like.dtype)
+
+    dk, dv = per_block
+    dq = dq.reshape(p.B, p.Hq, p.L, p.E).astype(q.dtype)
+    return dq, unblock(dk, k), unblock(dv, v), d_caps

@@ -1,0 +1,202 @@
+"""BlockMask: which key/value blocks each query block visits, and which need mask_mod.
+
+    kv blocks ->   0   1   2   3        A block is
+    q block 0    [ ░ ]                    █ full:    every (q, kv) pair in it attends;
+    q block 1    [ █ ][ ░ ]                          the kernel skips mask_mod there
+    q block 2    [ █ ][ █ ][ ░ ]          ░ partial: some pairs attend; mask_mod decides
+    q block 3    [ █ ][ █ ][ █ ][ ░ ]       (empty): never visited, no work at all
+                 (causal, 4x4 blocks)
+
+Field names follow torch.nn.attention.flex_attention.BlockMask so a torch mask maps one-to-one:
+`kv_num_blocks[b, h, i]` partial blocks of query block i, listed first in
+`kv_indices[b, h, i, :]`; `full_kv_*` the same for full blocks; `q_*` and `full_q_*` are the
+transposed (per key/value block) lists that the dK/dV backward walks. B and H of the mask are
+1 (broadcast) or the attention's batch and query-head counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MaskMod = Callable[..., jax.Array]
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) -> jax.Array:
+    """[..., rows] counts and [..., rows, columns] lists -> [..., rows, columns] bool table."""
+    valid = jnp.arange(indices.shape[-1]) < num_blocks[..., None]
+    target = jnp.where(valid, indices, columns)  # invalid entries land in a spare column
+    table = jnp.zeros(indices.shape[:-1] + (columns + 1,), bool)
+    lead = jnp.indices(indices.shape, sparse=True)[:-1]
+    return table.at[(*lead, target)].set(True)[..., :columns]
+
+
+def lists_from_dense(table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., rows, columns] bool -> (counts [..., rows], ascending column lists, set ones first)."""
+    num_blocks = table.sum(axis=-1, dtype=jnp.int32)
+    indices = jnp.argsort(~table, axis=-1, stable=True).astype(jnp.int32)
+    return num_blocks, indices
+
+
+def _transpose(table: jax.Array) -> jax.Array:
+    return jnp.swapaxes(table, -1, -2)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Block-sparse attention mask (see the module docstring for the picture).
+
+    Shapes (int32): kv_num_blocks [Bm, Hm, nQ]; kv_indices [Bm, Hm, nQ, nKV]; q_num_blocks
+    [Bm, Hm, nKV]; q_indices [Bm, Hm, nKV, nQ]; the full_* fields alike or None. nQ and nKV are
+    the block counts, ceil(seq_length / block_size) per axis.
+    """
+
+    kv_num_blocks: jax.Array
+    kv_indices: jax.Array
+    full_kv_num_blocks: jax.Array | None
+    full_kv_indices: jax.Array | None
+    q_num_blocks: jax.Array
+    q_indices: jax.Array
+    full_q_num_blocks: jax.Array | None
+    full_q_indices: jax.Array | None
+    block_size: tuple[int, int]
+    seq_lengths: tuple[int, int]
+    mask_mod: MaskMod | None = None
+
+    # ---- construction -----------------------------------------------------------------------------
+
+    @classmethod
+    def from_dense_blocks(cls, partial: jax.Array, full: jax.Array | None, *,
+                          block_size: tuple[int, int], seq_lengths: tuple[int, int],
+                          mask_mod: MaskMod | None) -> BlockMask:
+        """From [Bm, Hm, nQ, nKV] bool tables of partial and full blocks (disjoint)."""
+        kv_num, kv_idx = lists_from_dense(partial)
+        q_num, q_idx = lists_from_dense(_transpose(partial))
+        full_lists = (None,) * 4
+        if full is not None:
+            full_lists = (*lists_from_dense(full), *lists_from_dense(_transpose(full)))
+        return cls(kv_num, kv_idx, full_lists[0], full_lists[1], q_num, q_idx, full_lists[2],
+                   full_lists[3], block_size=block_size, seq_lengths=seq_lengths,
+                   mask_mod=mask_mod)
+
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks: jax.Array, kv_indices: jax.Array,
+                       full_kv_num_blocks: jax.Array | None = None,
+                       full_kv_indices: jax.Array | None = None, *,
+                       block_size: int | tuple[int, int] = 128, mask_mod: MaskMod | None = None,
+                       seq_lengths: tuple[int, int] | None = None) -> BlockMask:
+        """From kv-major lists, as torch's `BlockMask.from_kv_blocks`; the q-major lists follow.
+
+        kv_num_blocks [Bm, Hm, nQ] and kv_indices [Bm, Hm, nQ, nKV] (int). Partial blocks apply
+        `mask_mod` (None: every pair of a listed block attends). seq_lengths defaults to the block
+        counts times the block size.
+        """
+        block_size = _pair("block_size", block_size)
+        kv_num_blocks, kv_indices = jnp.asarray(kv_num_blocks), jnp.asarray(kv_indices)
+        _check_lists("kv", kv_num_blocks, kv_indices)
+        n_q, n_kv = kv_indices.shape[-2:]
+        if (full_kv_num_blocks is None) != (full_kv_indices is None):
+            raise ValueError("from_kv_blocks: give both full_kv_num_blocks and full_kv_indices, "
+                             "or neither.")
+        partial = dense_from_lists(kv_num_blocks, kv_indices, n_kv)
+        full = None
+        if full_kv_num_blocks is not None:
+            full_kv_num_blocks = jnp.asarray(full_kv_num_blocks)
+            full_kv_indices = jnp.asarray(full_kv_indices)
+            _check_lists("full_kv", full_kv_num_blocks, full_kv_indices)
+            if full_kv_indices.shape != kv_indices.shape:
+                raise ValueError(f"from_kv_blocks: full_kv_indices {full_kv_indices.shape} and "
+                                 f"kv_indices {kv_indices.shape} must have the same shape.")
+            full = dense_from_lists(full_kv_num_blocks, full_kv_indices, n_kv)
+            partial = partial & ~full
+        if seq_lengths is None:
+            seq_lengths = (n_q * block_size[0], n_kv * block_size[1])
+        seq_lengths = _pair("seq_lengths", seq_lengths, minimum=1)
+        if (_cdiv(seq_lengths[0], block_size[0]), _cdiv(seq_lengths[1], block_size[1])) != (
+                n_q, n_kv):
+            raise ValueError(f"from_kv_blocks: seq_lengths {seq_lengths} with block_size "
+                             f"{block_size} need {_cdiv(seq_lengths[0], block_size[0])} x "
+                             f"{_cdiv(seq_lengths[1], block_size[1])} blocks, but kv_indices "
+                             f"has {n_q} x {n_kv}.")
+        return cls.from_dense_blocks(partial, full, block_size=block_size,
+                                     seq_lengths=seq_lengths, mask_mod=mask_mod)
+
+    # ---- inspection -------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(Bm, Hm, Q_LEN, KV_LEN)."""
+        return (*self.kv_num_blocks.shape[:2], *self.seq_lengths)
+
+    @property
+    def num_blocks(self) -> tuple[int, int]:
+        return tuple(self.kv_indices.shape[-2:])
+
+    def partial_blocks(self) -> jax.Array:
+        """[Bm, Hm, nQ, nKV] bool: blocks that apply mask_mod."""
+        return dense_from_lists(self.kv_num_blocks, self.kv_indices, self.num_blocks[1])
+
+    def full_blocks(self) -> jax.Array:
+        """[Bm, Hm, nQ, nKV] bool: blocks that skip mask_mod (all False without full lists)."""
+        if self.full_kv_num_blocks is None:
+            return jnp.zeros(self.kv_indices.shape, bool)
+        return dense_from_lists(self.full_kv_num_blocks, self.full_kv_indices,
+                                self.num_blocks[1])
+
+    def to_dense(self) -> jax.Array:
+        """[Bm, Hm, nQ, nKV] int32: 1 where a block is visited (partial or full), like torch."""
+        return (self.partial_blocks() | self.full_blocks()).astype(jnp.int32)
+
+    def sparsity(self) -> float:
+        """Percentage of blocks never visited."""
+        return 100.0 * (1.0 - float(jnp.mean(self.to_dense())))
+
+    def __repr__(self) -> str:
+        head = (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
+                f"mask_mod={getattr(self.mask_mod, '__name__', self.mask_mod)}")
+        if isinstance(self.kv_num_blocks, jax.core.Tracer):
+            return head + ")"
+        picture = ""
+        n_q, n_kv = self.num_blocks
+        if n_q <= 16 and n_kv <= 32:
+            partial = np.asarray(self.partial_blocks()[0, 0])
+            full = np.asarray(self.full_blocks()[0, 0])
+            rows = ["".join("█" if f else "░" if p else "·" for p, f in zip(pr, fr))
+                    for pr, fr in zip(partial, full)]
+            picture = "\n  " + "\n  ".join(rows) + "\n  (batch 0, head 0: █ full, ░ partial)"
+        return f"{head}, sparsity={self.sparsity():.1f}%){picture}"
+
+
+jax.tree_util.register_dataclass(
+    BlockMask,
+    data_fields=["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"],
+    meta_fields=["block_size", "seq_lengths", "mask_mod"],
+)
+
+
+def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:
+    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, (int, np.integer)) and v >= minimum
+                                 for v in pair):
+        raise ValueError(f"`{name}` must be an int >= {minimum} or a pair of them, got {value!r}.")
+    return int(pair[0]), int(pair[1])
+
+
+def _check_lists(name: str, num_blocks: jax.Array, indices: jax.Array) -> None:
+    if num_blocks.ndim != 3 or indices.ndim != 4 or indices.shape[:3] != num_blocks.shape:
+        raise ValueError(f"from_kv_blocks: {name}_num_blocks must be [B, H, nQ] and "
+                         f"{name}_indices [B, H, nQ, nKV], got {num_blocks.shape} and "
+                         f"{indices.shape}.")
+    for array in (num_blocks, indices):
+        if not jnp.issubdtype(array.dtype, jnp.integer):
+            raise TypeError(f"from_kv_blocks: {name} block lists must be integers, got "
+                            f"{array.dtype}.")
