@@ -71,7 +71,8 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     delta = tiles.load_vector(delta_ref, here, q0, bq, p.L)
 
     def visit(j, dq, indices_ref, apply_mask_mod):
-        kv0 = indices_ref[mb, mh, row, j // per_block] * mask_bk + (j % per_block) * bk
+        block, offset = tiles.block_and_offset(j, per_block)
+        kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
         v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev)
         raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
@@ -115,7 +116,8 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
         def visit(j, carry, indices_ref, apply_mask_mod):
             dk, dv = carry
-            q0 = indices_ref[mb, mh, col, j // per_block] * mask_bq + (j % per_block) * bq
+            block, offset = tiles.block_and_offset(j, per_block)
+            q0 = indices_ref[mb, mh, col, block] * mask_bq + offset * bq
             rows = (g, pl.ds(q0, bq))
             q_tile = tiles.load_tile(q_ref, rows, q0, bq, p.L, p.E)
             do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev)

@@ -42,7 +42,8 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
     def visit(j, carry, indices_ref, apply_mask_mod):
         m_i, l_i, acc = carry
-        kv0 = indices_ref[mb, mh, row, j // per_block] * mask_bk + (j % per_block) * bk
+        block, offset = tiles.block_and_offset(j, per_block)
+        kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
         _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
                                              b, h, q0, kv0, apply_mask_mod)

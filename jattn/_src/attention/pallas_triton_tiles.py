@@ -18,6 +18,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_and_offset(j, per_block: int):
+    """(j // per_block, j % per_block) for a non-negative loop index, with plain integer ops
+    (jnp's floor-division sign fix-ups do not lower inside a Triton loop)."""
+    if per_block == 1:
+        return j, 0
+    return lax.div(j, jnp.int32(per_block)), lax.rem(j, jnp.int32(per_block))
+
+
 def padded(dim: int) -> int:
     """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
     return 1 << max(4, (dim - 1).bit_length())
