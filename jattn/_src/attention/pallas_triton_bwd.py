@@ -73,8 +73,8 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     def visit(j, dq, indices_ref, apply_mask_mod):
         block, offset = tiles.block_and_offset(j, per_block)
         kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
-        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
-        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev)
+        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
+        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
         raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
             p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
         dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
@@ -119,10 +119,10 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
             block, offset = tiles.block_and_offset(j, per_block)
             q0 = indices_ref[mb, mh, col, block] * mask_bq + offset * bq
             rows = (g, pl.ds(q0, bq))
-            q_tile = tiles.load_tile(q_ref, rows, q0, bq, p.L, p.E)
-            do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev)
-            lse2 = tiles.load_vector(lse_ref, rows, q0, bq, p.L)
-            delta = tiles.load_vector(delta_ref, rows, q0, bq, p.L)
+            q_tile = tiles.load_tile(q_ref, rows, q0, bq, p.L, p.E, mask_bq)
+            do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev, mask_bq)
+            lse2 = tiles.load_vector(lse_ref, rows, q0, bq, p.L, mask_bq)
+            delta = tiles.load_vector(delta_ref, rows, q0, bq, p.L, mask_bq)
             raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
                 p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
             dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),

@@ -44,7 +44,7 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         m_i, l_i, acc = carry
         block, offset = tiles.block_and_offset(j, per_block)
         kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
-        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E)
+        k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
         _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
                                              b, h, q0, kv0, apply_mask_mod)
         t = s * LOG2_E
@@ -55,7 +55,7 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         prob = jnp.exp2(t - m_new[:, None])
         if keep is not None:
             prob = jnp.where(keep, prob, 0.0)
-        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev)
+        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
         acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
                                              preferred_element_type=jnp.float32)
         return m_new, l_i * alpha + prob.sum(axis=1), acc

@@ -59,18 +59,19 @@ def store(ref, index, value, mask):
         plgpu.store(ref.at[index], value, mask=mask)
 
 
-def load_tile(ref, index, row0, rows: int, length: int, dim: int):
+def load_tile(ref, index, row0, rows: int, length: int, dim: int, span: int | None = None):
     """A [rows, padded(dim)] tile at ref[*index, :] whose first row is row `row0` of `length`:
     rows past the length and columns past `dim` read as 0. `index` selects the rows (and any
-    leading dims)."""
-    mask = both(bounds(row0, rows, length, 0) if length % rows else None,
+    leading dims). `span` is the unit the visited rows are rounded up to (default: rows); no
+    row mask is needed when it divides the length."""
+    mask = both(bounds(row0, rows, length, 0) if length % (span or rows) else None,
                 bounds(0, padded(dim), dim, 1))
     return load(ref, (*index, slice(None)), mask)
 
 
-def load_vector(ref, index, row0, rows: int, length: int):
+def load_vector(ref, index, row0, rows: int, length: int, span: int | None = None):
     """A [rows] vector at ref[*index] whose first element is row `row0` of `length`."""
-    mask = bounds(row0, rows, length, 0) if length % rows else None
+    mask = bounds(row0, rows, length, 0) if length % (span or rows) else None
     return load(ref, tuple(index), None if mask is None else mask[:, 0])
 
 
@@ -93,10 +94,11 @@ def tile_scores(p: Problem, mods: Mods, score_refs, mask_refs, q_tile, k_tile, b
     s = raw
     if mods.score is not None:
         s = call_in_kernel(mods.score, score_refs, raw, b, h, q_idx, kv_idx)[0]
+    # Tiles are visited up to whole BlockMask blocks, which may reach past the sequence ends.
     keep = None
-    if p.S % cols:
+    if p.S % p.mask_block[1]:
         keep = kv_idx < p.S
-    if p.L % rows:
+    if p.L % p.mask_block[0]:
         keep = both(keep, q_idx < p.L)
     if apply_mask_mod and mods.mask is not None:
         keep = both(keep, call_in_kernel(mods.mask, mask_refs, b, h, q_idx, kv_idx)[0])

@@ -1,0 +1,225 @@
+"""flex_attention against a float64 golden: masks, mods, GQA, ragged shapes, gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn._src.attention.reference import attention_reference
+from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close, golden,
+                           low_precision, random, random_cotangent_vjp)
+
+# Small kernel tiles and mask blocks so that test shapes span several blocks and ragged tails.
+SMALL = jattn.AttentionConfig(block_q=32, block_k=16, bwd_block_q=16, bwd_block_k=32)
+BLOCK = 32
+
+
+def _segments(length):
+    return jnp.asarray(np.repeat(np.arange(4), -(-length // 4))[:length], jnp.int32)
+
+
+MASKS = {
+    "none": None,
+    "causal": lambda L: jattn.masks.causal_mask,
+    "sliding": lambda L: jattn.masks.sliding_window(24),
+    "prefix": lambda L: jattn.masks.prefix_lm(20),
+    "document": lambda L: jattn.masks.document_mask(_segments(L)),
+}
+MODS = {
+    "none": None,
+    "alibi": lambda H: jattn.mods.alibi(jattn.mods.alibi_slopes(H)),
+    "softcap": lambda H: jattn.mods.softcap(2.0),
+    "relative": lambda H: jattn.mods.relative_position_bias(
+        jnp.asarray(np.random.default_rng(0).standard_normal((H, 41)), jnp.float32)),
+}
+
+
+def _inputs(rng, B, Hq, Hkv, L, S, E, Ev, dtype, kv_batch=None):
+    kv_batch = B if kv_batch is None else kv_batch
+    return (random(rng, (B, Hq, L, E), dtype), random(rng, (kv_batch, Hkv, S, E), dtype),
+            random(rng, (kv_batch, Hkv, S, Ev), dtype))
+
+
+def _check(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True, seed=0):
+    """Output, LSE and random-cotangent gradients (q, k, v) against the golden."""
+    run = functools.partial(jattn.flex_attention, score_mod=score_mod, block_mask=block_mask,
+                            enable_gqa=True, return_lse=True, config=SMALL, implementation=impl)
+    ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask)
+    out, lse = jax.jit(run)(q, k, v)
+    gold_out, gold_lse = golden(ref, q, k, v)
+    low_out, low_lse = low_precision(ref, q, k, v)
+    assert_close(out, gold_out, low_out, what="out")
+    finite = np.isfinite(gold_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert_close(jnp.where(finite, lse, 0), np.where(finite, gold_lse, 0),
+                 jnp.where(finite, low_lse, 0), what="lse")
+    if not grads:
+        return
+    rng = np.random.default_rng(seed)
+    cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
+    ours = jax.jit(lambda *x: random_cotangent_vjp(run, x, cotangent))(q, k, v)
+    gold = golden(lambda q, k, v, c: random_cotangent_vjp(ref, (q, k, v), c), q, k, v, cotangent)
+    low = low_precision(lambda q, k, v, c: random_cotangent_vjp(ref, (q, k, v), c), q, k, v,
+                        cotangent)
+    for name, g, g64, g_low in zip("qkv", ours, gold, low):
+        assert_close(g, g64, g_low, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("mod", ["none", "alibi", "softcap", "relative"])
+def test_masks_and_mods(impl, mask, mod):
+    if mask != "none" and mod in ("softcap", "relative"):
+        pytest.skip("each mod is covered with no mask and with alibi's masks")
+    rng = np.random.default_rng(len(mask) + len(mod))
+    L = S = 70
+    q, k, v = _inputs(rng, 2, 4, 2, L, S, 24, 24, jnp.float32)
+    block_mask = None
+    if MASKS[mask] is not None:
+        block_mask = jattn.create_block_mask(MASKS[mask](L), None, None, L, S, block_size=BLOCK)
+    score_mod = None if MODS[mod] is None else MODS[mod](4)
+    _check(impl, q, k, v, score_mod, block_mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,kv_batch", [
+    (1, 8, 1, 17, 33, 16, 16, None),     # MQA, short ragged lengths
+    (2, 8, 2, 1, 45, 80, 48, None),      # one query, E not a power of two, Ev != E
+    (2, 4, 4, 64, 40, 64, 32, 1),        # kv batch broadcast, L != S
+])
+def test_shapes(impl, B, Hq, Hkv, L, S, E, Ev, kv_batch):
+    rng = np.random.default_rng(L + S)
+    q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, Ev, jnp.float32, kv_batch)
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, S,
+                                         block_size=BLOCK)
+    _check(impl, q, k, v, jattn.mods.softcap(3.0), block_mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_dtypes(impl, dtype):
+    rng = np.random.default_rng(5)
+    q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 32, 32, dtype)
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64,
+                                         block_size=BLOCK)
+    _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(2)), block_mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_fully_masked_rows_give_zero_and_minus_inf(impl):
+    rng = np.random.default_rng(6)
+    q, k, v = _inputs(rng, 1, 2, 2, 40, 40, 16, 16, jnp.float32)
+
+    def late_start(b, h, q_idx, kv_idx):  # queries 0..9 see nothing
+        return (q_idx >= 10) & (kv_idx <= q_idx)
+
+    block_mask = jattn.create_block_mask(late_start, None, None, 40, 40, block_size=BLOCK)
+    out, lse = jattn.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                    config=SMALL, implementation=impl)
+    assert np.all(np.asarray(out[:, :, :10]) == 0) and np.all(np.isneginf(lse[:, :, :10]))
+    _check(impl, q, k, v, None, block_mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_captured_array_gradients(impl):
+    """Learnable alibi slopes and a learnable relative-position table get gradients."""
+    rng = np.random.default_rng(7)
+    q, k, v = _inputs(rng, 2, 4, 2, 48, 48, 16, 16, jnp.float32)
+    slopes = random(rng, (4,), scale=0.1)
+    table = random(rng, (4, 31))
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 48, 48,
+                                         block_size=BLOCK)
+
+    def mod(slopes, table):
+        alibi, relative = jattn.mods.alibi(slopes), jattn.mods.relative_position_bias(table)
+        return lambda s, b, h, qi, ki: relative(alibi(s, b, h, qi, ki), b, h, qi, ki)
+
+    def ours(q, k, v, slopes, table):
+        return jattn.flex_attention(q, k, v, mod(slopes, table), block_mask, enable_gqa=True,
+                                    config=SMALL, implementation=impl)
+
+    def ref(q, k, v, slopes, table):
+        return attention_reference(q, k, v, mod(slopes, table), block_mask)[0]
+
+    args = (q, k, v, slopes, table)
+    cotangent = random(rng, (2, 4, 48, 16))
+    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
+    gold = golden(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
+    low = low_precision(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
+    for name, g, g64, g_low in zip(("q", "k", "v", "slopes", "table"), grads, gold, low):
+        assert_close(g, g64, g_low, what=f"d{name}")
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_deterministic_and_transformations(impl):
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, 2, 2, 2, 40, 40, 16, 16, jnp.float32)
+    cotangent = random(rng, (3, *q.shape[:3], 16))
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 40, 40,
+                                         block_size=BLOCK)
+    fn = functools.partial(jattn.flex_attention, block_mask=block_mask, config=SMALL,
+                           implementation=impl)
+    stacked = [jnp.stack([x, 2 * x, -x]) for x in (q, k, v)]
+    grad_fn = jax.jit(lambda *x: random_cotangent_vjp(jax.vmap(jax.checkpoint(fn)), x,
+                                                      cotangent))
+    assert_bitwise_equal_runs(lambda: grad_fn(*stacked))
+    vmapped = jax.jit(jax.vmap(fn))(*stacked)
+    np.testing.assert_allclose(vmapped[1], jax.jit(fn)(*[s[1] for s in stacked]), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_nan_propagates():
+    q = jnp.ones((1, 1, 32, 16)).at[0, 0, 3, 0].set(jnp.nan)
+    out = jattn.flex_attention(q, jnp.ones((1, 1, 32, 16)), jnp.ones((1, 1, 32, 16)),
+                               config=SMALL, implementation="interpret")
+    assert np.isnan(np.asarray(out[0, 0, 3])).all() and not np.isnan(np.asarray(out[0, 0, 4])).any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+def _qkv(q=(1, 4, 32, 16), k=(1, 2, 32, 16), v=(1, 2, 32, 16), dtype=jnp.float32):
+    return jnp.ones(q, dtype), jnp.ones(k, dtype), jnp.ones(v, dtype)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(q=(4, 32, 16)), ValueError, "`q` must be \\[batch, heads, length, dim\\]"),
+    (dict(k=(1, 3, 32, 16), v=(1, 3, 32, 16)), ValueError, "multiple of kv heads 3"),
+    (dict(k=(1, 2, 32, 8), v=(1, 2, 32, 16)), ValueError, "same head dim"),
+    (dict(v=(1, 2, 31, 16)), ValueError, "must agree on batch, heads and length"),
+    (dict(k=(3, 2, 32, 16), v=(3, 2, 32, 16)), ValueError, "k/v batch 3 must equal"),
+])
+def test_bad_shapes_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        jattn.flex_attention(*_qkv(**kwargs), enable_gqa=True, implementation="xla")
+
+
+def test_gqa_needs_opt_in_and_dtypes_must_match():
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        jattn.flex_attention(*_qkv(), implementation="xla")
+    q, k, v = _qkv(k=(1, 4, 32, 16), v=(1, 4, 32, 16))
+    with pytest.raises(TypeError, match="share a dtype"):
+        jattn.flex_attention(q, k.astype(jnp.bfloat16), v, implementation="xla")
+    with pytest.raises(TypeError, match="`q` has dtype int32"):
+        jattn.flex_attention(q.astype(jnp.int32), k, v, implementation="xla")
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_bad_mods_and_masks_raise(impl):
+    q, k, v = _qkv(k=(1, 4, 32, 16), v=(1, 4, 32, 16))
+    with pytest.raises(ValueError, match="score_mod must return a float array shaped like"):
+        jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s.sum(), implementation=impl)
+    wrong = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 32)
+    with pytest.raises(ValueError, match="block_mask was built for Q_LEN=64, KV_LEN=32"):
+        jattn.flex_attention(q, k, v, block_mask=wrong, implementation=impl)
+    heads = jattn.create_block_mask(jattn.masks.causal_mask, None, 3, 32, 32)
+    with pytest.raises(ValueError, match="batch/heads \\(1, 3\\) must be 1 or match"):
+        jattn.flex_attention(q, k, v, block_mask=heads, implementation=impl)
+    odd = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 32, 32, block_size=16)
+    with pytest.raises(ValueError, match="must divide the BlockMask block size 16"):
+        jattn.flex_attention(q, k, v, block_mask=odd, config=jattn.AttentionConfig(),
+                             implementation="interpret")
