@@ -4,3 +4,8 @@
 MATMUL_SQUARE = [(f"{s}^3", s, s, s) for s in (1024, 2048, 4096, 8192)]
 MATMUL_SKINNY = [("M=16 N=K=8192", 16, 8192, 8192), ("M=128 N=K=8192", 128, 8192, 8192)]
 MATMUL_EPILOGUE = [("4096^3 +bias+gelu", 4096, 4096, 4096)]
+
+# (name, B, H, L, D) attention problems of issue 3; H is both query and kv heads.
+ATTENTION = [("B4 H16 L4096 D128", 4, 16, 4096, 128), ("B4 H32 L4096 D64", 4, 32, 4096, 64),
+             ("B1 H16 L16384 D128", 1, 16, 16384, 128)]
+ATTENTION_MASKS = ["full", "causal", "sliding1024", "document8", "alibi", "softcap"]

@@ -8,6 +8,7 @@ dispatch), so small problems are not timed out of cache.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,10 +35,19 @@ def time_jax(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> float
     return median_seconds(lambda: one_pass(arg_sets), calls=3, samples=7) / len(arg_sets)
 
 
-def time_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]]) -> float:
-    """Median seconds per call of a torch function on CUDA, one graph replay per pass."""
+def time_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *,
+               graph: bool = True) -> float:
+    """Median seconds per call of a torch function on CUDA, one graph replay per pass.
+
+    graph=False launches eagerly instead (for work a CUDA graph cannot capture, e.g. autograd
+    through compiled kernels); use it only where kernels are long next to launch latency.
+    """
     import torch
 
+    if not graph:
+        rotation = itertools.cycle(arg_sets)
+        return median_seconds(lambda: fn(*next(rotation)), calls=len(arg_sets), samples=7,
+                              wait=lambda _: torch.cuda.synchronize())
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # warm up (cuBLAS handles, autotuning) before capture
         for args in arg_sets[:2]:

@@ -15,6 +15,8 @@ from jattn._src.platform import has_cuda
 
 # The implementations every op is tested with; the GPU kernel only where a GPU is present.
 IMPLEMENTATIONS = ["xla", "interpret", pytest.param("pallas_triton", marks=pytest.mark.gpu)]
+# For wide test matrices: the interpreter (slow on CPU) runs a representative subset instead.
+COMPILED_IMPLEMENTATIONS = ["xla", pytest.param("pallas_triton", marks=pytest.mark.gpu)]
 
 
 def random(rng: np.random.Generator, shape: Sequence[int], dtype=jnp.float32,
@@ -30,6 +32,14 @@ def _truncate_to_tf32(x: jax.Array) -> jax.Array:
 
 class References(tuple):
     """Several equally valid low-precision references; the tolerance takes the worst."""
+
+    def map(self, fn: Callable[[Any], Any]) -> References:
+        return References(fn(x) for x in self)
+
+
+def map_reference(fn: Callable[[Any], Any], reference: Any) -> Any:
+    """fn applied to a reference, or to each of several (see `References`)."""
+    return reference.map(fn) if isinstance(reference, References) else fn(reference)
 
 
 def low_precision(fn: Callable[..., Any], *args: Any) -> Any:

@@ -82,6 +82,7 @@ def or_masks(*masks: MaskMod) -> MaskMod:
 
 def alibi(slopes: jax.Array):
     """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes [H] (learnable)."""
+    slopes = jnp.asarray(slopes)
     def alibi_mod(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx).astype(score.dtype)
 
@@ -103,6 +104,7 @@ def softcap(cap: float):
 
 def relative_position_bias(table: jax.Array):
     """score + table[h, kv_idx - q_idx + R]; table [H, 2R+1] (learnable), offsets clamped to ±R."""
+    table = jnp.asarray(table)
     radius = (table.shape[-1] - 1) // 2
 
     def relative_bias_mod(score, b, h, q_idx, kv_idx):

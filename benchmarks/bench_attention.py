@@ -1,0 +1,221 @@
+"""Flex attention on the GPU against torch FlexAttention, cuDNN and JAX's Pallas mha, same run.
+
+    python -m benchmarks.bench_attention [--only CASE] [--masks full,causal] [--json out.json]
+
+FLOPs: forward 4·B·H·L²·D times the mask's density (fraction of attended pairs); backward
+2.5x forward; JAX backward time = time(forward + vjp) - time(forward), torch likewise with
+autograd. bf16. Each baseline does the same work (same mask, same score_mod); cuDNN and the
+Pallas mha run only where the mask is expressible (full, causal). Also: first-call time, and
+create_block_mask at 32k / 128k causal against torch's compiled builder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from benchmarks import shapes
+from benchmarks.timing import first_call_seconds, time_jax, time_torch
+
+COPIES = 3  # input sets rotated per timing pass (each is >= 200 MB here, so L2 is no help)
+
+
+def _mask_mod(kind: str, L: int):
+    if kind == "causal" or kind in ("alibi", "softcap"):
+        return jattn.masks.causal_mask if kind == "causal" else None
+    if kind == "sliding1024":
+        return jattn.masks.sliding_window(1024)
+    if kind == "document8":
+        return jattn.masks.document_mask(jnp.arange(L, dtype=jnp.int32) // (L // 8))
+    return None
+
+
+def _density(kind: str, L: int) -> float:
+    q = np.arange(L)[:, None]
+    kv = np.arange(L)[None, :]
+    if kind == "causal":
+        return float((q >= kv).mean())
+    if kind == "sliding1024":
+        return float(((q >= kv) & (q - kv < 1024)).mean())
+    if kind == "document8":
+        return 1 / 8
+    return 1.0
+
+
+def _score_mod(kind: str, H: int):
+    if kind == "alibi":
+        return jattn.mods.alibi(jattn.mods.alibi_slopes(H))
+    if kind == "softcap":
+        return jattn.mods.softcap(30.0)
+    return None
+
+
+def _torch_mods(kind: str, H: int, L: int):
+    import torch
+
+    if kind == "alibi":
+        slopes = torch.from_numpy(np.asarray(jattn.mods.alibi_slopes(H))).cuda()
+        return (lambda s, b, h, q, kv: s + slopes[h] * (kv - q)), None
+    if kind == "softcap":
+        return (lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0)), None
+    if kind == "causal":
+        return None, lambda b, h, q, kv: q >= kv
+    if kind == "sliding1024":
+        return None, lambda b, h, q, kv: (q >= kv) & (q - kv < 1024)
+    if kind == "document8":
+        doc = torch.arange(L, device="cuda") // (L // 8)
+        return None, lambda b, h, q, kv: doc[q] == doc[kv]
+    return None, None
+
+
+def _jax_fwd_bwd(fn, sets, flops):
+    fwd = jax.jit(fn)
+    cot = [jnp.ones_like(fwd(*sets[0]))]
+
+    def fwd_bwd(*args):
+        out, vjp = jax.vjp(fn, *args)
+        return vjp(cot[0])
+
+    compile_s = first_call_seconds(jax.jit(fwd_bwd), *sets[0])
+    t_fwd = time_jax(fwd, sets)
+    t_all = time_jax(jax.jit(fwd_bwd), sets)
+    return {"fwd": flops / t_fwd / 1e12, "bwd": 2.5 * flops / max(t_all - t_fwd, 1e-9) / 1e12,
+            "first_call_s": compile_s}
+
+
+def bench_case(name, B, H, L, D, kind) -> dict:
+    import torch
+    from torch.nn.attention import flex_attention as tflex
+
+    rng = np.random.default_rng(0)
+    sets = [[jnp.asarray(rng.standard_normal((B, H, L, D)), jnp.bfloat16) for _ in range(3)]
+            for _ in range(COPIES)]
+    flops = 4 * B * H * L * L * D * _density(kind, L)
+    mask_mod, score_mod = _mask_mod(kind, L), _score_mod(kind, H)
+    start = time.perf_counter()
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, None, None, L, L)
+    if kind in ("alibi", "softcap"):
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+        flops = 4 * B * H * L * L * D * _density("causal", L)
+    mask_s = time.perf_counter() - start
+    row = {"case": name, "mask": kind, "create_block_mask_s": mask_s,
+           "jattn": _jax_fwd_bwd(lambda q, k, v: jattn.flex_attention(q, k, v, score_mod,
+                                                                      block_mask), sets, flops)}
+
+    # torch FlexAttention, compiled, same mods (alibi/softcap are causal too)
+    t_score, t_mask = _torch_mods(kind, H, L)
+    if kind in ("alibi", "softcap"):
+        t_mask = lambda b, h, q, kv: q >= kv  # noqa: E731
+    t_block = None if t_mask is None else tflex.create_block_mask(t_mask, None, None, L, L,
+                                                                  device="cuda")
+    compiled = torch.compile(tflex.flex_attention)
+    t_sets = [[torch.from_dlpack(x).requires_grad_() for x in s] for s in sets]
+    grad = torch.ones_like(t_sets[0][0])
+    start = time.perf_counter()
+    compiled(*t_sets[0], score_mod=t_score, block_mask=t_block).backward(grad)
+    torch.cuda.synchronize()
+    t_first = time.perf_counter() - start
+    t_fwd = time_torch(lambda q, k, v: compiled(q, k, v, score_mod=t_score, block_mask=t_block),
+                       t_sets, graph=False)
+    t_all = time_torch(lambda q, k, v: compiled(q, k, v, score_mod=t_score,
+                                                block_mask=t_block).backward(grad),
+                       t_sets, graph=False)
+    row["torch_flex"] = {"fwd": flops / t_fwd / 1e12,
+                         "bwd": 2.5 * flops / max(t_all - t_fwd, 1e-9) / 1e12,
+                         "first_call_s": t_first}
+
+    if kind in ("full", "causal"):
+        causal = kind == "causal"
+        blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
+        row["cudnn"] = _jax_fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"), blhd, flops)
+        try:
+            from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+            row["pallas_mha"] = _jax_fwd_bwd(lambda q, k, v: pallas_mha.mha(
+                q, k, v, segment_ids=None, causal=causal), blhd, flops)
+        except Exception as error:  # deprecated module; report rather than fail the run
+            row["pallas_mha"] = {"error": f"{type(error).__name__}: {error}"[:200]}
+    for side in ("torch_flex", "cudnn"):
+        if side in row:
+            row[f"vs_{side}"] = {d: row["jattn"][d] / row[side][d] for d in ("fwd", "bwd")}
+    return row
+
+
+def bench_block_mask(L: int) -> dict:
+    """create_block_mask(causal) at L x L: ours vs torch's compiled builder."""
+    import torch
+    from torch.nn.attention import flex_attention as tflex
+
+    from jattn._src.masks.create import _block_tables
+    from jattn._src.tuning.autotune import median_seconds
+
+    start = time.perf_counter()
+    jax.block_until_ready(jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L))
+    first = time.perf_counter() - start
+    ours = median_seconds(lambda: jattn.create_block_mask(jattn.masks.causal_mask, None, None,
+                                                          L, L).kv_indices, calls=3)
+    compiled = _block_tables.lower(jattn.masks.causal_mask, 1, 1, L, L, 128, 128).compile()
+    working = compiled.memory_analysis().temp_size_in_bytes
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    tflex.create_block_mask(causal, None, None, L, L, device="cuda", _compile=True)
+    torch.cuda.synchronize()
+    t_first = time.perf_counter() - start
+    t_med = median_seconds(lambda: tflex.create_block_mask(causal, None, None, L, L,
+                                                           device="cuda", _compile=True),
+                           calls=3, wait=lambda _: torch.cuda.synchronize())
+    return {"L": L, "jattn_s": ours, "jattn_first_s": first, "jattn_working_MiB": working / 2**20,
+            "torch_s": t_med, "torch_first_s": t_first,
+            "torch_peak_MiB": (torch.cuda.max_memory_allocated() - base) / 2**20}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--only", help="run only the attention case whose name contains this")
+    parser.add_argument("--masks", default=",".join(shapes.ATTENTION_MASKS))
+    parser.add_argument("--block-mask", action="store_true", help="also time create_block_mask")
+    parser.add_argument("--json", help="write the rows to this file")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    rows = []
+    for name, B, H, L, D in shapes.ATTENTION:
+        if args.only and args.only not in name:
+            continue
+        for kind in args.masks.split(","):
+            r = bench_case(name, B, H, L, D, kind)
+            rows.append(r)
+            line = f"{name:>20} {kind:>11}: jattn {r['jattn']['fwd']:6.1f}/{r['jattn']['bwd']:6.1f}"
+            for side in ("torch_flex", "cudnn", "pallas_mha"):
+                if side in r and "fwd" in r[side]:
+                    line += f"  {side} {r[side]['fwd']:6.1f}/{r[side]['bwd']:6.1f}"
+            line += (f"  vs torch {r['vs_torch_flex']['fwd']:.2f}/{r['vs_torch_flex']['bwd']:.2f}"
+                     f"  first call {r['jattn']['first_call_s']:.1f}s"
+                     f" (torch {r['torch_flex']['first_call_s']:.1f}s)")
+            print(line, flush=True)
+    if args.block_mask:
+        for L in (32768, 131072):
+            r = bench_block_mask(L)
+            rows.append(r)
+            print(f"create_block_mask causal {L}: jattn {r['jattn_s'] * 1e3:.2f} ms (first "
+                  f"{r['jattn_first_s']:.2f} s, working {r['jattn_working_MiB']:.0f} MiB)  "
+                  f"torch {r['torch_s'] * 1e3:.2f} ms (first {r['torch_first_s']:.2f} s, peak "
+                  f"{r['torch_peak_MiB']:.0f} MiB)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

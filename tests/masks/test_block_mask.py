@@ -1,0 +1,78 @@
+"""BlockMask construction, classification of partial/full blocks, conversions and errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+
+def _dense_blocks(mask, block):
+    """Per-block (any, all) of a dense [B, H, L, S] mask, padding counted as attending for all."""
+    B, H, L, S = mask.shape
+    nq, nk = -(-L // block), -(-S // block)
+    padded_any = np.zeros((B, H, nq * block, nk * block), bool)
+    padded_all = np.ones_like(padded_any)
+    padded_any[:, :, :L, :S] = mask
+    padded_all[:, :, :L, :S] = mask
+    shape = (B, H, nq, block, nk, block)
+    return padded_any.reshape(shape).any((3, 5)), padded_all.reshape(shape).all((3, 5))
+
+
+@pytest.mark.parametrize("name,mask_mod,B,H,L,S", [
+    ("causal", jattn.masks.causal_mask, None, None, 100, 100),
+    ("sliding", jattn.masks.sliding_window(40), 1, 1, 200, 150),
+    ("prefix", jattn.masks.prefix_lm(50), None, None, 130, 130),
+    ("document", jattn.masks.document_mask(jnp.asarray([[0] * 60 + [1] * 60, [0] * 10 + [1] * 110])),
+     2, None, 120, 120),
+    ("per-head", lambda b, h, q, kv: (q - kv) < 16 * (h + 1), None, 3, 96, 96),
+])
+def test_create_block_mask_classifies_blocks(name, mask_mod, B, H, L, S):
+    block_mask = jattn.create_block_mask(mask_mod, B, H, L, S, block_size=32)
+    dense = np.asarray(jattn.create_mask(mask_mod, B, H, L, S))
+    any_, all_ = _dense_blocks(dense, 32)
+    np.testing.assert_array_equal(block_mask.full_blocks(), all_)
+    np.testing.assert_array_equal(block_mask.partial_blocks(), any_ & ~all_)
+    np.testing.assert_array_equal(block_mask.to_dense(), any_)
+    # The q-major lists are the transpose of the kv-major ones.
+    q_major = jattn.BlockMask.from_kv_blocks(block_mask.q_num_blocks, block_mask.q_indices,
+                                             block_size=32)
+    np.testing.assert_array_equal(np.swapaxes(q_major.partial_blocks(), -1, -2),
+                                  block_mask.partial_blocks())
+    assert 0 <= block_mask.sparsity() < 100
+
+
+def test_from_kv_blocks_round_trip_and_repr():
+    rng = np.random.default_rng(0)
+    table = rng.random((2, 3, 4, 5)) < 0.5
+    full = table & (rng.random(table.shape) < 0.5)
+    num, idx = (table & ~full).sum(-1), np.argsort(~(table & ~full), -1, kind="stable")
+    fnum, fidx = full.sum(-1), np.argsort(~full, -1, kind="stable")
+    mask = jattn.BlockMask.from_kv_blocks(num, idx, fnum, fidx, block_size=16)
+    np.testing.assert_array_equal(mask.partial_blocks(), table & ~full)
+    np.testing.assert_array_equal(mask.full_blocks(), full)
+    assert mask.shape == (2, 3, 64, 80)
+    assert "sparsity=" in repr(mask) and "█" in repr(mask) or "░" in repr(mask)
+
+
+def test_bad_masks_raise():
+    with pytest.raises(TypeError, match="mask_mod must return a bool array, got int32"):
+        jattn.create_block_mask(lambda b, h, q, kv: q - kv, None, None, 64, 64)
+    with pytest.raises(ValueError, match="`Q_LEN` must be a positive int"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 0, 64)
+    with pytest.raises(ValueError, match="`block_size` must be an int >= 16"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=8)
+    with pytest.raises(ValueError, match="seq_lengths \\(100, 64\\) with block_size"):
+        jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2), jnp.int32),
+                                       jnp.zeros((1, 1, 2, 2), jnp.int32), block_size=32,
+                                       seq_lengths=(100, 64))
+    with pytest.raises(TypeError, match="block lists must be integers"):
+        jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2, 2)))
+
+
+def test_create_block_mask_is_memory_bounded_in_steps():
+    """At 16k x 16k the builder never materialises the dense mask (it would be 256 MiB)."""
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 16384, 16384)
+    assert block_mask.num_blocks == (128, 128)
+    assert int(block_mask.kv_num_blocks.sum()) == 128          # one diagonal block per row
+    assert int(block_mask.full_kv_num_blocks.sum()) == 128 * 127 // 2
