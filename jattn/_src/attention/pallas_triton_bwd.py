@@ -58,7 +58,7 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
     mask_bq, mask_bk = p.mask_block
     per_block = mask_bk // bk
-    i, bh = pl.program_id(0), pl.program_id(1)
+    i, bh = tiles.heaviest_first(p.L, bq, pl.program_id(0)), pl.program_id(1)
     b, h = bh // p.Hq, bh % p.Hq
     mb = b if p.mask_batch > 1 else 0
     mh = h if p.mask_heads > 1 else 0
@@ -170,7 +170,7 @@ def backward(p: Problem, q, k, v, masks, score_caps, mask_caps, out, lse, d_out,
     kv_lists = tiles.mask_lists(masks, "kv")
 
     def q_index(i, bh):
-        return bh // p.Hq, bh % p.Hq, i, 0
+        return bh // p.Hq, bh % p.Hq, tiles.heaviest_first(p.L, bq, i), 0
 
     def kv_panel(i, bh):
         return (bh // p.Hq if p.kv_batch > 1 else 0), (bh % p.Hq) // p.groups, 0, 0

@@ -32,7 +32,7 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     per_block = mask_bk // bk
 
     # ---- this program: query tile i of (b, h) --------------------------------------------------
-    i, bh = pl.program_id(0), pl.program_id(1)
+    i, bh = tiles.heaviest_first(p.L, bq, pl.program_id(0)), pl.program_id(1)
     b, h = bh // p.Hq, bh % p.Hq
     mb = b if p.mask_batch > 1 else 0
     mh = h if p.mask_heads > 1 else 0
@@ -87,7 +87,7 @@ def forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
 
     def q_index(i, bh):
-        return bh // p.Hq, bh % p.Hq, i, 0
+        return bh // p.Hq, bh % p.Hq, tiles.heaviest_first(p.L, bq, i), 0
 
     def kv_index(i, bh):
         return (bh // p.Hq if p.kv_batch > 1 else 0), (bh % p.Hq) // p.groups, 0, 0

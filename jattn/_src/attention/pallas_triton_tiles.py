@@ -26,6 +26,12 @@ def block_and_offset(j, per_block: int):
     return lax.div(j, jnp.int32(per_block)), lax.rem(j, jnp.int32(per_block))
 
 
+def heaviest_first(length: int, tile: int, program):
+    """Query tile of a program, last tiles first: under causal-like masks they visit the most
+    blocks, and starting them early keeps the GPU's last wave short."""
+    return cdiv(length, tile) - 1 - program
+
+
 def padded(dim: int) -> int:
     """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
     return 1 << max(4, (dim - 1).bit_length())
