@@ -18,9 +18,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.extend.core import Literal
 

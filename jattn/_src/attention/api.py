@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +36,7 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
                         f"{k.dtype} and {v.dtype}.")
-    (B, Hq, L, E), (Bk, Hkv, S, Ek) = q.shape, k.shape
+    (B, Hq, _, E), (Bk, Hkv, _, Ek) = q.shape, k.shape
     if Ek != E:
         raise ValueError(f"flex_attention: q {q.shape} and k {k.shape} must have the same head "
                          "dim (last axis).")
@@ -231,26 +230,22 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     score_mod = None if score_mod is None else _checked_score_mod(score_mod)
     mask_mod = None if block_mask.mask_mod is None else _checked_mask_mod(block_mask.mask_mod)
     score_set, mask_set = CaptureSet(), CaptureSet()
-    partial_problem = dict(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
-                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
-                           mask_block=block_mask.block_size,
-                           has_full_blocks=block_mask.full_kv_num_blocks is not None,
-                           scale=scale, implementation=implementation)
-    score_sig, index_sig = xla.block_signature(Problem(**partial_problem, config=None,
-                                                       fwd=Mods(), bwd=Mods(), xla=Mods()))
+    score_sig, index_sig = xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1])
     xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)
     resolved = None
     fwd_mods = bwd_mods = xla_mods
     if implementation != "xla":
-        padded_e = 1 << max(4, (E - 1).bit_length())
-        resolved = config or heuristic_config(padded_e, block_mask.block_size)
+        resolved = config or heuristic_config(E, block_mask.block_size)
         resolved.check_fits(block_mask.block_size)
         fwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                *_tile_signature(resolved.block_q, resolved.block_k))
         bwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k))
-    problem = Problem(**partial_problem, config=resolved, fwd=fwd_mods, bwd=bwd_mods,
-                      xla=xla_mods)
+    problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
+                      mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
+                      mask_block=block_mask.block_size, scale=scale,
+                      implementation=implementation, config=resolved, fwd=fwd_mods,
+                      bwd=bwd_mods, xla=xla_mods)
     out, lse = _flex(problem, q, k, v, _mask_arrays(implementation, block_mask),
                      tuple(score_set.captures), tuple(mask_set.captures))
     return (out, lse) if return_lse else out

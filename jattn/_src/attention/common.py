@@ -41,7 +41,6 @@ class Problem:
     mask_batch: int
     mask_heads: int
     mask_block: tuple[int, int]
-    has_full_blocks: bool
     scale: float
     implementation: str
     config: AttentionConfig | None

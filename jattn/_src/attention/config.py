@@ -54,7 +54,7 @@ class AttentionConfig:
 
 
 def heuristic_config(head_dim: int, mask_block: tuple[int, int]) -> AttentionConfig:
-    """The default config for a head dim (padded to a power of two) and BlockMask block size."""
+    """The default config for a head dim and a BlockMask block size."""
     # H100 sweep (benchmarks/RESULTS.md): 128x64 w4 led at D=128 full, 64x128 w4 at D=64 full.
     if head_dim > 64:
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)

@@ -56,14 +56,9 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, (dq_ref,) = (
         _split_refs(refs, n_lists, n_score, n_mask, 6))
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
-    mask_bq, mask_bk = p.mask_block
+    mask_bk = p.mask_block[1]
     per_block = mask_bk // bk
-    i, bh = tiles.heaviest_first(p.L, bq, pl.program_id(0)), pl.program_id(1)
-    b, h = bh // p.Hq, bh % p.Hq
-    mb = b if p.mask_batch > 1 else 0
-    mh = h if p.mask_heads > 1 else 0
-    q0 = i * bq
-    row = q0 // mask_bq
+    b, h, mb, mh, q0, row = tiles.query_program(p, bq)
     here = (slice(None),)
     q_tile = tiles.load_tile(q_ref, here, q0, bq, p.L, p.E)
     do_tile = tiles.load_tile(do_ref, here, q0, bq, p.L, p.Ev)

@@ -28,16 +28,11 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     mask_refs = refs[3 + n_lists + n_score:3 + n_lists + n_score + n_mask]
     out_ref, lse_ref = refs[-2:]
     bq, bk = p.config.block_q, p.config.block_k
-    mask_bq, mask_bk = p.mask_block
+    mask_bk = p.mask_block[1]
     per_block = mask_bk // bk
 
-    # ---- this program: query tile i of (b, h) --------------------------------------------------
-    i, bh = tiles.heaviest_first(p.L, bq, pl.program_id(0)), pl.program_id(1)
-    b, h = bh // p.Hq, bh % p.Hq
-    mb = b if p.mask_batch > 1 else 0
-    mh = h if p.mask_heads > 1 else 0
-    q0 = i * bq
-    row = q0 // mask_bq
+    # ---- this program: one query tile of (b, h) ------------------------------------------------
+    b, h, mb, mh, q0, row = tiles.query_program(p, bq)
     q_tile = tiles.load_tile(q_ref, (slice(None),), q0, bq, p.L, p.E)
 
     def visit(j, carry, indices_ref, apply_mask_mod):

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.pallas_triton_masked import both, bounds, load, store
 
 
 def cdiv(a: int, b: int) -> int:
@@ -32,37 +32,19 @@ def heaviest_first(length: int, tile: int, program):
     return cdiv(length, tile) - 1 - program
 
 
+def query_program(p: Problem, block_q: int):
+    """Where a program of a (query tiles, B·Hq) grid works: (b, h, BlockMask batch and head,
+    first query row, BlockMask row)."""
+    bh = pl.program_id(1)
+    b, h = bh // p.Hq, bh % p.Hq
+    q0 = heaviest_first(p.L, block_q, pl.program_id(0)) * block_q
+    return (b, h, b if p.mask_batch > 1 else 0, h if p.mask_heads > 1 else 0, q0,
+            q0 // p.mask_block[0])
+
+
 def padded(dim: int) -> int:
     """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
     return 1 << max(4, (dim - 1).bit_length())
-
-
-def bounds(start, size: int, limit: int, axis: int, *, always: bool = False):
-    """[size, 1] (axis 0) or [1, size] mask of start + i < limit; None if never needed."""
-    if not always and isinstance(start, int) and start + size <= limit:
-        return None
-    shape = (size, 1) if axis == 0 else (1, size)
-    return start + lax.broadcasted_iota(jnp.int32, shape, axis) < limit
-
-
-def both(x, y):
-    if x is None:
-        return y
-    return x if y is None else x & y
-
-
-def load(ref, index, mask):
-    """ref[index] with masked-out elements read as 0."""
-    if mask is None:
-        return ref[index]
-    return plgpu.load(ref.at[index], mask=mask, other=0)
-
-
-def store(ref, index, value, mask):
-    if mask is None:
-        ref[index] = value
-    else:
-        plgpu.store(ref.at[index], value, mask=mask)
 
 
 def load_tile(ref, index, row0, rows: int, length: int, dim: int, span: int | None = None):

@@ -24,13 +24,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_signature(p: Problem):
+def block_signature(B: int, Hkv: int, groups: int, L: int, block: int):
     """Argument shapes of score_mod / mask_mod on one XLA block [B, Hkv, G, L, block]."""
-    bk = p.mask_block[1]
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    score = jax.ShapeDtypeStruct((p.B, p.Hkv, p.groups, p.L, bk), jnp.float32)
-    return score, (i32(p.B, 1, 1, 1, 1), i32(1, p.Hkv, p.groups, 1, 1), i32(1, 1, 1, p.L, 1),
-                   i32(1, 1, 1, 1, bk))
+    score = jax.ShapeDtypeStruct((B, Hkv, groups, L, block), jnp.float32)
+    return score, (i32(B, 1, 1, 1, 1), i32(1, Hkv, groups, 1, 1), i32(1, 1, 1, L, 1),
+                   i32(1, 1, 1, 1, block))
 
 
 def _indices(p: Problem):

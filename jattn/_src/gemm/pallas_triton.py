@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.pallas_triton_masked import both, bounds, load, store
 from jattn._src.pallas_triton_lookup import call_in_kernel
 from jattn._src.user_functions import TracedFunction
 
@@ -31,7 +32,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# Tile order and masked tiles
+# Tile order
 # ------------------------------------------------------------------------------------------------
 
 def _tile_coords(grid_ids: Sequence[Any], tiles_m: int, tiles_n: int, group_m: int):
@@ -43,34 +44,6 @@ def _tile_coords(grid_ids: Sequence[Any], tiles_m: int, tiles_n: int, group_m: i
     rows_in_group = jnp.minimum(tiles_m - first_m, group_m)
     within = grid_ids[0] % tiles_per_group
     return first_m + within % rows_in_group, within // rows_in_group
-
-
-def _bounds_mask(start, size: int, bound: int | None, axis: int):
-    """[size, 1] or [1, size] mask of start + i < bound; None when no bound applies."""
-    if bound is None:
-        return None
-    shape = (size, 1) if axis == 0 else (1, size)
-    return start + lax.broadcasted_iota(jnp.int32, shape, axis) < bound
-
-
-def _and(x, y):
-    if x is None:
-        return y
-    return x if y is None else x & y
-
-
-def _load(ref, index, mask):
-    """ref[index], with elements outside `mask` read as 0 (unmasked when mask is None)."""
-    if mask is None:
-        return ref[index]
-    return plgpu.load(ref.at[index], mask=mask, other=0)
-
-
-def _store(ref, index, value, mask):
-    if mask is None:
-        ref[index] = value
-    else:
-        plgpu.store(ref.at[index], value, mask=mask)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -90,30 +63,30 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
     pid_m, pid_n = _tile_coords(grid_ids, _cdiv(m, bm), _cdiv(n, bn), config.group_m)
     m0, n0 = pid_m * bm, pid_n * bn
     m_bound, n_bound = (m if m % bm else None), (n if n % bn else None)
-    row_mask, col_mask = _bounds_mask(m0, bm, m_bound, 0), _bounds_mask(n0, bn, n_bound, 1)
+    row_mask, col_mask = bounds(m0, bm, m_bound, 0), bounds(n0, bn, n_bound, 1)
     full_k_steps, k_tail = divmod(k, bk)
 
     def k_step(step, acc, k_bound=None):
         # A static start past the end would be rejected at trace time, so the tail's is traced.
         k0 = jnp.int32(step * bk) if isinstance(step, int) else pl.multiple_of(step * bk, bk)
         if transpose_a:  # A panel is [K, bm]
-            a = _load(a_ref, (pl.ds(k0, bk), slice(None)),
-                      _and(_bounds_mask(k0, bk, k_bound, 0), _bounds_mask(m0, bm, m_bound, 1)))
+            a = load(a_ref, (pl.ds(k0, bk), slice(None)),
+                      both(bounds(k0, bk, k_bound, 0), bounds(m0, bm, m_bound, 1)))
         else:
-            a = _load(a_ref, (slice(None), pl.ds(k0, bk)),
-                      _and(row_mask, _bounds_mask(k0, bk, k_bound, 1)))
+            a = load(a_ref, (slice(None), pl.ds(k0, bk)),
+                      both(row_mask, bounds(k0, bk, k_bound, 1)))
         if transpose_b:  # B panel is [bn, K]
-            b = _load(b_ref, (slice(None), pl.ds(k0, bk)),
-                      _and(_bounds_mask(n0, bn, n_bound, 0), _bounds_mask(k0, bk, k_bound, 1)))
+            b = load(b_ref, (slice(None), pl.ds(k0, bk)),
+                      both(bounds(n0, bn, n_bound, 0), bounds(k0, bk, k_bound, 1)))
         else:
-            b = _load(b_ref, (pl.ds(k0, bk), slice(None)),
-                      _and(_bounds_mask(k0, bk, k_bound, 0), col_mask))
+            b = load(b_ref, (pl.ds(k0, bk), slice(None)),
+                      both(bounds(k0, bk, k_bound, 0), col_mask))
         dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     # ---- main loop: whole K steps unmasked along K, then the ragged tail ------------------------
     acc = jnp.zeros((bm, bn), jnp.float32)
-    tile_mask = _and(row_mask, col_mask)
+    tile_mask = both(row_mask, col_mask)
     if split_k == 1:
         acc = lax.fori_loop(0, full_k_steps, k_step, acc)
         if k_tail:
@@ -126,20 +99,20 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
             owns_tail = (first <= full_k_steps) & (full_k_steps < first + steps_per_split)
             acc = lax.cond(owns_tail, lambda a: k_step(full_k_steps, a, k_bound=k),
                            lambda a: a, acc)
-        _store(out_refs[0], ..., acc, tile_mask)
+        store(out_refs[0], ..., acc, tile_mask)
         return
 
     # ---- epilogue on the fp32 tile ----------------------------------------------------------------
     if has_bias:
         bias_mask = None if col_mask is None else col_mask[0]
-        acc = acc + _load(bias_ref, ..., bias_mask).astype(jnp.float32)[None, :]
+        acc = acc + load(bias_ref, ..., bias_mask).astype(jnp.float32)[None, :]
     if save_preact:
-        _store(out_refs[1], ..., acc, tile_mask)
+        store(out_refs[1], ..., acc, tile_mask)
     if epilogue is not None:
         rows = m0 + lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
         cols = n0 + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
         acc = call_in_kernel(epilogue, capture_refs, acc, rows, cols)[0]
-    _store(out_refs[0], ..., acc.astype(out_refs[0].dtype), tile_mask)
+    store(out_refs[0], ..., acc.astype(out_refs[0].dtype), tile_mask)
 
 
 # ------------------------------------------------------------------------------------------------
