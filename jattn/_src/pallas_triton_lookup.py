@@ -115,8 +115,8 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         elif name == "broadcast_in_dim" and _is_trailing_unit(eqn) and not isinstance(
                 invals[0], (_CapturedRef, _IndexColumns)):
             outs = [_IndexColumns((invals[0],))]
-        elif (name == "concatenate" and eqn.params["dimension"] == len(eqn.outvars[0].aval.shape) - 1
-              and all(isinstance(v, _IndexColumns) for v in invals)):
+        elif (name == "concatenate" and all(isinstance(v, _IndexColumns) for v in invals)
+              and eqn.params["dimension"] == len(eqn.outvars[0].aval.shape) - 1):
             outs = [_IndexColumns(tuple(c for v in invals for c in v.columns))]
         elif name in _SUBJAXPR_PARAMS and _SUBJAXPR_PARAMS[name] in eqn.params:
             closed = eqn.params[_SUBJAXPR_PARAMS[name]]

@@ -3,8 +3,8 @@
 A Pallas kernel may not close over arrays, and `jax.custom_vjp` cannot differentiate arrays that
 its function closes over. So each user function is traced to a jaxpr at the exact shapes it will
 see (a kernel tile, or a whole matrix for the XLA path), and every array it captures becomes an
-explicit argument: a kernel input and a differentiable input of the custom_vjp. `jax.closure_convert`
-is not enough: it hoists only float arrays and fixes the example shapes.
+explicit argument: a kernel input and a differentiable input of the custom_vjp.
+`jax.closure_convert` is not enough: it hoists only float arrays and fixes the example shapes.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ def _dense_blocks(mask, block):
     ("causal", jattn.masks.causal_mask, None, None, 100, 100),
     ("sliding", jattn.masks.sliding_window(40), 1, 1, 200, 150),
     ("prefix", jattn.masks.prefix_lm(50), None, None, 130, 130),
-    ("document", jattn.masks.document_mask(jnp.asarray([[0] * 60 + [1] * 60, [0] * 10 + [1] * 110])),
-     2, None, 120, 120),
+    ("document", jattn.masks.document_mask(
+        jnp.asarray([[0] * 60 + [1] * 60, [0] * 10 + [1] * 110])), 2, None, 120, 120),
     ("per-head", lambda b, h, q, kv: (q - kv) < 16 * (h + 1), None, 3, 96, 96),
 ])
 def test_create_block_mask_classifies_blocks(name, mask_mod, B, H, L, S):
@@ -52,7 +52,8 @@ def test_from_kv_blocks_round_trip_and_repr():
     np.testing.assert_array_equal(mask.partial_blocks(), table & ~full)
     np.testing.assert_array_equal(mask.full_blocks(), full)
     assert mask.shape == (2, 3, 64, 80)
-    assert "sparsity=" in repr(mask) and "█" in repr(mask) or "░" in repr(mask)
+    text = repr(mask)
+    assert "sparsity=" in text and ("█" in text or "░" in text)
 
 
 def test_bad_masks_raise():

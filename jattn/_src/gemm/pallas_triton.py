@@ -102,7 +102,7 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
         store(out_refs[0], ..., acc, tile_mask)
         return
 
-    # ---- epilogue on the fp32 tile ----------------------------------------------------------------
+    # ---- epilogue on the fp32 tile --------------------------------------------------------------
     if has_bias:
         bias_mask = None if col_mask is None else col_mask[0]
         acc = acc + load(bias_ref, ..., bias_mask).astype(jnp.float32)[None, :]

@@ -71,7 +71,7 @@ class BlockMask:
     seq_lengths: tuple[int, int]
     mask_mod: MaskMod | None = None
 
-    # ---- construction -----------------------------------------------------------------------------
+    # ---- construction ---------------------------------------------------------------------------
 
     @classmethod
     def from_dense_blocks(cls, partial: jax.Array, full: jax.Array | None, *,
@@ -129,7 +129,7 @@ class BlockMask:
         return cls.from_dense_blocks(partial, full, block_size=block_size,
                                      seq_lengths=seq_lengths, mask_mod=mask_mod)
 
-    # ---- inspection -------------------------------------------------------------------------------
+    # ---- inspection -----------------------------------------------------------------------------
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
