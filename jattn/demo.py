@@ -14,6 +14,7 @@ import numpy as np
 
 import jattn
 from jattn._src import platform
+from jattn._src.attention.reference import attention_reference
 from jattn._src.gemm.reference import matmul_reference
 from jattn._src.tuning.autotune import median_seconds
 
@@ -29,6 +30,20 @@ def _report(name: str, fn, reference: jax.Array, args, flops: float) -> None:
     seconds = median_seconds(lambda: fn(*args))
     print(f"  {name:<34} rel. error {error:.1e}   {seconds * 1e3:8.3f} ms"
           f"   {flops / seconds / 1e12:7.2f} TFLOP/s")
+
+
+def _report_attention(on_gpu: bool) -> None:
+    B, H, L, E = (2, 8, 2048, 128) if on_gpu else (1, 4, 512, 64)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((B, H, L, E)), jnp.bfloat16) for _ in range(3))
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    alibi = jattn.mods.alibi(jattn.mods.alibi_slopes(H))
+    reference = attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), alibi,
+                                    block_mask)[0]
+    print(f"flex attention, bf16 B{B} H{H} L{L} D{E}, causal + alibi, vs a float32 reference:")
+    _report("flex_attention forward",
+            lambda q, k, v: jattn.flex_attention(q, k, v, alibi, block_mask), reference,
+            (q, k, v), 4.0 * B * H * L * L * E * 0.5)
 
 
 def main() -> None:
@@ -53,6 +68,7 @@ def main() -> None:
         _report("matmul, Pallas interpreter, 128^3",
                 functools.partial(jattn.matmul, implementation="interpret"),
                 matmul_reference(*[x.astype(jnp.float32) for x in small]), small, 2.0 * 128**3)
+    _report_attention(platform.has_cuda())
 
 
 if __name__ == "__main__":
