@@ -13,7 +13,8 @@ from jattn._src import platform
 from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.attention.config import AttentionConfig, heuristic_config
-from jattn._src.masks.block_mask import BlockMask, _cdiv
+from jattn._src.masks.block_mask import BlockMask
+from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -70,7 +71,7 @@ def _check_block_mask(block_mask: BlockMask, B: int, Hq: int, L: int, S: int) ->
 def _full_block_mask(L: int, S: int) -> BlockMask:
     """Every block full: plain attention through the same machinery."""
     block = (_DEFAULT_BLOCK, _DEFAULT_BLOCK)
-    full = jnp.ones((1, 1, _cdiv(L, block[0]), _cdiv(S, block[1])), bool)
+    full = jnp.ones((1, 1, cdiv(L, block[0]), cdiv(S, block[1])), bool)
     return BlockMask.from_dense_blocks(jnp.zeros_like(full), full, block_size=block,
                                        seq_lengths=(L, S), mask_mod=None)
 

@@ -5,11 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jattn._src.constants import MIN_DOT_TILE
-
-
-def _check_block(owner: str, name: str, value) -> None:
-    if not isinstance(value, int) or value < MIN_DOT_TILE or value & (value - 1):
-        raise ValueError(f"{owner}.{name}={value!r} must be a power of two >= {MIN_DOT_TILE}.")
+from jattn._src.tiling import check_positive, check_tiles, check_warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +27,9 @@ class AttentionConfig:
     bwd_num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
-            _check_block("AttentionConfig", name, getattr(self, name))
-        for name in ("num_warps", "bwd_num_warps"):
-            if getattr(self, name) not in (1, 2, 4, 8, 16):
-                raise ValueError(f"AttentionConfig.{name}={getattr(self, name)!r} must be 1, 2, "
-                                 "4, 8 or 16.")
-        for name in ("num_stages", "bwd_num_stages"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionConfig.{name}={value!r} must be a positive int.")
+        check_tiles(self, "block_q", "block_k", "bwd_block_q", "bwd_block_k")
+        check_warps(self, "num_warps", "bwd_num_warps")
+        check_positive(self, "num_stages", "bwd_num_stages")
 
     def check_fits(self, mask_block: tuple[int, int]) -> None:
         for name, tile, block in (("block_q", self.block_q, mask_block[0]),

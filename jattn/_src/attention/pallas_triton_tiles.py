@@ -11,11 +11,9 @@ from jax.experimental import pallas as pl
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.constants import MIN_DOT_TILE
 from jattn._src.pallas_triton_masked import both, bounds, load, store
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jattn._src.tiling import cdiv, next_power_of_two
 
 
 def block_and_offset(j, per_block: int):
@@ -44,7 +42,7 @@ def query_program(p: Problem, block_q: int):
 
 def padded(dim: int) -> int:
     """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
-    return 1 << max(4, (dim - 1).bit_length())
+    return max(MIN_DOT_TILE, next_power_of_two(dim))
 
 
 def load_tile(ref, index, row0, rows: int, length: int, dim: int, span: int | None = None):

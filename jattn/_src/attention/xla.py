@@ -18,10 +18,7 @@ from jax import lax
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import MASK_VALUE
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from jattn._src.tiling import cdiv
 
 
 def block_signature(B: int, Hkv: int, groups: int, L: int, block: int):
@@ -42,7 +39,7 @@ def _indices(p: Problem):
 def _blocked_kv(p: Problem, x: jax.Array) -> jax.Array:
     """[Bk, Hkv, S, D] -> [nKV, B, Hkv, block, D], zero-padded to whole blocks."""
     bk = p.mask_block[1]
-    n = _cdiv(p.S, bk)
+    n = cdiv(p.S, bk)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, n * bk - p.S), (0, 0)))
     x = jnp.broadcast_to(x, (p.B, *x.shape[1:]))
     return jnp.moveaxis(x.reshape(p.B, p.Hkv, n, bk, x.shape[-1]), 2, 0)
@@ -101,7 +98,7 @@ def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
 
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, p.Ev), jnp.float32))
-    n_kv = _cdiv(p.S, p.mask_block[1])
+    n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns((partial, full)))
     (m, l, acc), _ = lax.scan(step, init, xs)
@@ -169,7 +166,7 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
     zeros_caps = [jnp.zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]))
                   for i in learnable]
     dq0 = jnp.zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32)
-    n_kv = _cdiv(p.S, p.mask_block[1])
+    n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns((partial, full)))
     (dq, d_caps), per_block = lax.scan(step, (dq0, zeros_caps), xs)

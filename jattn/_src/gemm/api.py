@@ -16,6 +16,7 @@ import numpy as np
 from jattn._src import platform
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.tiling import next_power_of_two
 from jattn._src.tuning import autotune, cache
 from jattn._src.user_functions import TracedFunction, trace_with_captures
 
@@ -108,7 +109,7 @@ def _trace_epilogue(op: str, epilogue: Epilogue, tile: tuple[int, int], full: tu
 # ------------------------------------------------------------------------------------------------
 
 def _cache_key(m: int, n: int, k: int, dtype: jnp.dtype) -> str:
-    bucket = "x".join(str(1 << max(0, d - 1).bit_length()) for d in (m, n, k))
+    bucket = "x".join(str(next_power_of_two(d)) for d in (m, n, k))
     return f"{platform.device_kind()}|{bucket}|{jnp.dtype(dtype).name}"
 
 

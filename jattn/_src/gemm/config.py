@@ -8,20 +8,13 @@ import itertools
 import numpy as np
 
 from jattn._src.constants import MIN_DOT_TILE
+from jattn._src.tiling import check_positive, check_tiles, check_warps, next_power_of_two
 
 # Shared memory per block on an H100 (227 KiB); candidates whose pipeline needs more are skipped.
 SHARED_MEMORY_BYTES = 227 * 1024
 
 # Streaming multiprocessors of an H100: split-K targets at least this many programs.
 NUM_SMS = 132
-
-
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
-def _next_power_of_two(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +37,9 @@ class MatmulConfig:
     split_k: int = 1
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or not _is_power_of_two(value) or value < MIN_DOT_TILE:
-                raise ValueError(
-                    f"MatmulConfig.{name}={value!r} must be a power of two >= {MIN_DOT_TILE} "
-                    "(Triton tiles are powers of two and its dot needs 16 rows/columns)."
-                )
-        if not isinstance(self.num_warps, int) or self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"MatmulConfig.num_warps={self.num_warps!r} must be 1, 2, 4, 8 or 16.")
-        for name in ("group_m", "num_stages", "split_k"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"MatmulConfig.{name}={value!r} must be a positive int.")
+        check_tiles(self, "block_m", "block_n", "block_k")
+        check_warps(self, "num_warps")
+        check_positive(self, "group_m", "num_stages", "split_k")
 
     def shared_memory_bytes(self, itemsize: int) -> int:
         """Bytes of shared memory the pipelined A and B tiles need."""
@@ -66,7 +49,7 @@ class MatmulConfig:
     def fit_to(self, m: int, n: int, k: int) -> MatmulConfig:
         """Shrinks tiles larger than the problem (never below 16), keeping everything else."""
         def fit(block: int, size: int) -> int:
-            return min(block, max(MIN_DOT_TILE, _next_power_of_two(size)))
+            return min(block, max(MIN_DOT_TILE, next_power_of_two(size)))
 
         return dataclasses.replace(
             self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n),

@@ -24,11 +24,8 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.pallas_triton_masked import both, bounds, load, store
 from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.tiling import cdiv
 from jattn._src.user_functions import TracedFunction
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -60,7 +57,7 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
     grid_ids = [pl.program_id(axis) for axis in range(2 if config.group_m == 1 else 1)]
 
     # ---- where this tile sits; which edges need masks (known statically) -----------------------
-    pid_m, pid_n = _tile_coords(grid_ids, _cdiv(m, bm), _cdiv(n, bn), config.group_m)
+    pid_m, pid_n = _tile_coords(grid_ids, cdiv(m, bm), cdiv(n, bn), config.group_m)
     m0, n0 = pid_m * bm, pid_n * bn
     m_bound, n_bound = (m if m % bm else None), (n if n % bn else None)
     row_mask, col_mask = bounds(m0, bm, m_bound, 0), bounds(n0, bn, n_bound, 1)
@@ -92,7 +89,7 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
         if k_tail:
             acc = k_step(full_k_steps, acc, k_bound=k)
     else:
-        steps_per_split = _cdiv(_cdiv(k, bk), split_k)
+        steps_per_split = cdiv(cdiv(k, bk), split_k)
         first = pl.program_id(len(grid_ids)) * steps_per_split
         acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, full_k_steps), k_step, acc)
         if k_tail:
@@ -138,7 +135,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     if config.split_k > 1 and (bias is not None or epilogue is not None or save_preact):
         raise ValueError("split_k > 1 returns partial sums: apply bias and epilogue after.")
 
-    tiles = (_cdiv(m, bm), _cdiv(n, bn))
+    tiles = (cdiv(m, bm), cdiv(n, bn))
     grid = tiles if config.group_m == 1 else (tiles[0] * tiles[1],)
     tile_axes = len(grid)
     if config.split_k > 1:
@@ -152,7 +149,7 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
 
     # Panels span all of K, rounded up to whole K steps: a window past the end is masked on the
     # GPU, and the interpreter pads the panel instead of rejecting the window.
-    k_span = _cdiv(k, config.block_k) * config.block_k
+    k_span = cdiv(k, config.block_k) * config.block_k
     in_specs = [
         pl.BlockSpec((k_span, bm), lambda *ids: (0, rows(*ids))) if transpose_a
         else pl.BlockSpec((bm, k_span), lambda *ids: (rows(*ids), 0)),

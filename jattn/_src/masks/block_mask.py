@@ -23,11 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src.tiling import cdiv
+
 MaskMod = Callable[..., jax.Array]
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) -> jax.Array:
@@ -120,11 +118,11 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (n_q * block_size[0], n_kv * block_size[1])
         seq_lengths = _pair("seq_lengths", seq_lengths, minimum=1)
-        if (_cdiv(seq_lengths[0], block_size[0]), _cdiv(seq_lengths[1], block_size[1])) != (
+        if (cdiv(seq_lengths[0], block_size[0]), cdiv(seq_lengths[1], block_size[1])) != (
                 n_q, n_kv):
             raise ValueError(f"from_kv_blocks: seq_lengths {seq_lengths} with block_size "
-                             f"{block_size} need {_cdiv(seq_lengths[0], block_size[0])} x "
-                             f"{_cdiv(seq_lengths[1], block_size[1])} blocks, but kv_indices "
+                             f"{block_size} need {cdiv(seq_lengths[0], block_size[0])} x "
+                             f"{cdiv(seq_lengths[1], block_size[1])} blocks, but kv_indices "
                              f"has {n_q} x {n_kv}.")
         return cls.from_dense_blocks(partial, full, block_size=block_size,
                                      seq_lengths=seq_lengths, mask_mod=mask_mod)

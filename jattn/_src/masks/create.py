@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._src.masks.block_mask import BlockMask, MaskMod, _cdiv, _pair
+from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair
+from jattn._src.tiling import cdiv
 
 # Mask elements evaluated per step of create_block_mask (~128 MiB of bool if XLA materialised
 # them; it fuses the comparison into the block reduction, so usually far less).
@@ -34,7 +35,7 @@ def _evaluate(mask_mod: MaskMod, b, h, q_idx, kv_idx, shape) -> jax.Array:
 def _block_tables(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: int,
                   block_kv: int):
     """[B, H, nQ, nKV] tables of partial and full blocks, a few query blocks per step."""
-    n_q, n_kv = _cdiv(q_len, block_q), _cdiv(kv_len, block_kv)
+    n_q, n_kv = cdiv(q_len, block_q), cdiv(kv_len, block_kv)
     rows = max(1, min(n_q, _CHUNK_ELEMENTS // (B * H * block_q * n_kv * block_kv)))
     b, h = _index_grids(B, H)
     kv = jnp.arange(n_kv * block_kv, dtype=jnp.int32)[None, None, None, :]
