@@ -110,6 +110,46 @@ def test_shapes(impl, B, Hq, Hkv, L, S, E, Ev, kv_batch):
 
 
 @pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E", [
+    (1, 4, 1, 113, 1025, 128),           # long ragged keys, GQA 4
+    (1, 8, 1, 1000, 1000, 64),           # GQA 8, L = S not a block multiple
+    (1, 2, 2, 1025, 113, 128),           # long ragged queries over short keys
+])
+def test_long_ragged_shapes(impl, B, Hq, Hkv, L, S, E):
+    rng = np.random.default_rng(L * S)
+    q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, E, jnp.float32)
+    block_mask = jattn.create_block_mask(jattn.masks.sliding_window(300), None, None, L, S,
+                                         block_size=BLOCK)
+    _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(Hq)), block_mask)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_random_block_masks(impl):
+    """from_kv_blocks lists in random order, random partial/full/empty blocks per batch and
+    head; mask_mod applies on partial blocks only."""
+    rng = np.random.default_rng(9)
+    B, H, L, S = 2, 2, 96, 80
+    n_q, n_kv = 3, 3
+    kind = rng.integers(0, 3, (B, H, n_q, n_kv))  # 0 empty, 1 partial, 2 full
+
+    def lists(wanted):
+        num = (kind == wanted).sum(-1).astype(np.int32)
+        order = rng.permuted(np.broadcast_to(np.arange(n_kv), kind.shape), axis=-1)
+        chosen = np.take_along_axis(kind, order, -1) == wanted
+        return num, np.take_along_axis(order, np.argsort(~chosen, -1, kind="stable"),
+                                       -1).astype(np.int32)
+
+    def checkerboard(b, h, q_idx, kv_idx):
+        return (q_idx + 2 * kv_idx + b + h) % 3 != 0
+
+    block_mask = jattn.BlockMask.from_kv_blocks(*lists(1), *lists(2), block_size=BLOCK,
+                                                mask_mod=checkerboard, seq_lengths=(L, S))
+    np.testing.assert_array_equal(np.asarray(block_mask.to_dense()), kind > 0)
+    q, k, v = _inputs(rng, B, H, H, L, S, 16, 16, jnp.float32)
+    _check(impl, q, k, v, None, block_mask)
+
+
+@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_dtypes(impl, dtype):
     rng = np.random.default_rng(5)

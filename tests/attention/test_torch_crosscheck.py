@@ -1,5 +1,8 @@
-"""Agreement with torch.nn.attention.flex_attention (CPU eager) on the same mods."""
+"""Agreement with torch.nn.attention.flex_attention (eager, float64) on the same mods: outputs
+and LSE on the CPU; gradients for q, k, v and a captured bias table on the GPU."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -8,24 +11,92 @@ import jattn
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 
+B, H, L, S, E = 1, 4, 160, 224, 32
+RADIUS = 40
+SEGMENTS = np.repeat(np.arange(5), -(-S // 5))[:S]
+SLOPES = np.exp2(-8.0 * np.arange(1, H + 1) / H)
 
-def test_matches_torch_flex_attention_causal_alibi():
-    rng = np.random.default_rng(0)
-    B, H, L, E = 1, 4, 128, 32
-    q, k, v = (rng.standard_normal((B, H, L, E)).astype(np.float32) for _ in range(3))
-    slopes = np.asarray(jattn.mods.alibi_slopes(H))
-    torch_slopes = torch.tensor(slopes)
+# (jattn mask_mod, torch mask_mod); index tensors are int64 in torch, int32 here.
+MASKS = {
+    "causal": (jattn.masks.causal_mask, lambda b, h, q, kv: q >= kv),
+    "sliding": (jattn.masks.sliding_window(48), lambda b, h, q, kv: (q >= kv) & (q - kv < 48)),
+    "prefix": (jattn.masks.prefix_lm(64), lambda b, h, q, kv: (kv < 64) | (q >= kv)),
+    "document": (jattn.masks.document_mask(jnp.asarray(SEGMENTS, jnp.int32)),
+                 lambda b, h, q, kv: torch.tensor(SEGMENTS)[q] == torch.tensor(SEGMENTS)[kv]),
+}
 
-    def torch_mod(score, b, h, q_idx, kv_idx):
-        return score + torch_slopes[h] * (kv_idx - q_idx)
 
-    def torch_mask(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+def _torch_mod(name, table):
+    if name == "alibi":
+        slopes = torch.tensor(SLOPES)
+        return lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
+    if name == "softcap":
+        return lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)
+    if name == "relative":
+        return lambda s, b, h, q, kv: s + table[h, torch.clamp(kv - q, -RADIUS, RADIUS) + RADIUS]
+    return None
 
-    torch_block_mask = flex.create_block_mask(torch_mask, None, None, L, L, device="cpu")
-    expected = flex.flex_attention(*(torch.tensor(x) for x in (q, k, v)),
-                                   score_mod=torch_mod, block_mask=torch_block_mask)
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
-    out = jattn.flex_attention(q, k, v, jattn.mods.alibi(slopes), block_mask,
-                               implementation="xla")
-    np.testing.assert_allclose(np.asarray(out), expected.numpy(), rtol=2e-5, atol=2e-5)
+
+def _jattn_mod(name, table):
+    if name == "alibi":
+        return jattn.mods.alibi(jnp.asarray(SLOPES, jnp.float32))
+    if name == "softcap":
+        return jattn.mods.softcap(20.0)
+    if name == "relative":
+        return jattn.mods.relative_position_bias(table)
+    return None
+
+
+def _compare(mask, mod, device, grads):
+    rng = np.random.default_rng(len(mask) + len(mod))
+    q = rng.standard_normal((B, H, L, E))
+    k, v = (rng.standard_normal((B, H, S, E)) for _ in range(2))
+    table = 0.5 * rng.standard_normal((H, 2 * RADIUS + 1))
+    d_out = rng.standard_normal((B, H, L, E))
+    d_lse = rng.standard_normal((B, H, L))
+
+    # torch, float64 eager
+    tq, tk, tv, ttable = (torch.tensor(x, device=device, requires_grad=grads)
+                          for x in (q, k, v, table))
+    t_mask = flex.create_block_mask(MASKS[mask][1], None, None, L, S, device=device)
+    t_out, t_lse = flex.flex_attention(tq, tk, tv, score_mod=_torch_mod(mod, ttable),
+                                       block_mask=t_mask, return_lse=True)
+
+    # jattn, float32 through the XLA implementation on the CPU (exact f32 dots)
+    def run(q, k, v, table):
+        block_mask = jattn.create_block_mask(MASKS[mask][0], None, None, L, S)
+        return jattn.flex_attention(q, k, v, _jattn_mod(mod, table), block_mask,
+                                    return_lse=True, implementation="xla")
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        args = [jnp.asarray(x, jnp.float32) for x in (q, k, v, table)]
+        (out, lse), vjp = jax.vjp(run, *args)
+        ours = vjp((jnp.asarray(d_out, jnp.float32), jnp.asarray(d_lse, jnp.float32)))
+
+    tol = dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(out), t_out.detach().cpu().numpy(), **tol)
+    np.testing.assert_allclose(np.asarray(lse), t_lse.detach().cpu().numpy(), **tol)
+    if not grads:
+        return
+    torch.autograd.backward((t_out, t_lse), (torch.tensor(d_out, device=device),
+                                             torch.tensor(d_lse, device=device)))
+    theirs = (tq, tk, tv) + ((ttable,) if mod == "relative" else ())
+    for name, g, t in zip(("q", "k", "v", "bias table"), ours, theirs):
+        np.testing.assert_allclose(np.asarray(g), t.grad.cpu().numpy(), **tol, err_msg=name)
+
+
+CASES = [("causal", "alibi"), ("sliding", "none"), ("prefix", "softcap"),
+         ("document", "relative")]
+
+
+@pytest.mark.parametrize("mask,mod", CASES)
+def test_matches_torch_flex_attention(mask, mod):
+    """Outputs and LSE (torch's CPU flex attention has no backward)."""
+    _compare(mask, mod, "cpu", grads=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,mod", CASES)
+def test_gradients_match_torch_flex_attention(mask, mod):
+    """Gradients for q, k, v and the captured bias table, against torch on CUDA."""
+    _compare(mask, mod, "cuda", grads=True)

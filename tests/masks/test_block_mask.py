@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn._src.masks.create import _build
 
 
 def _dense_blocks(mask, block):
@@ -73,6 +74,8 @@ def test_bad_masks_raise():
 
 def test_create_block_mask_is_memory_bounded_in_steps():
     """At 16k x 16k the builder never materialises the dense mask (it would be 256 MiB)."""
+    compiled = _build.lower(jattn.masks.causal_mask, 1, 1, 16384, 16384, 128, 128).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
     block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 16384, 16384)
     assert block_mask.num_blocks == (128, 128)
     assert int(block_mask.kv_num_blocks.sum()) == 128          # one diagonal block per row

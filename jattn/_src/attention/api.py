@@ -8,12 +8,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jattn._src import platform
 from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.attention.config import AttentionConfig, heuristic_config
-from jattn._src.masks.block_mask import BlockMask
+from jattn._src.masks.block_mask import BlockMask, dense_from_lists
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
 
@@ -69,11 +70,18 @@ def _check_block_mask(block_mask: BlockMask, B: int, Hq: int, L: int, S: int) ->
 
 
 def _full_block_mask(L: int, S: int) -> BlockMask:
-    """Every block full: plain attention through the same machinery."""
+    """Every block full: plain attention through the same machinery. Built with numpy, so
+    under jit the lists are constants rather than ops run on every call."""
     block = (_DEFAULT_BLOCK, _DEFAULT_BLOCK)
-    full = jnp.ones((1, 1, cdiv(L, block[0]), cdiv(S, block[1])), bool)
-    return BlockMask.from_dense_blocks(jnp.zeros_like(full), full, block_size=block,
-                                       seq_lengths=(L, S), mask_mod=None)
+    n_q, n_kv = cdiv(L, block[0]), cdiv(S, block[1])
+
+    def lists(rows: int, columns: int):  # (no partial blocks, every column full) per row
+        indices = np.broadcast_to(np.arange(columns, dtype=np.int32), (1, 1, rows, columns))
+        return (np.zeros((1, 1, rows), np.int32), indices, np.full((1, 1, rows), columns,
+                                                                    np.int32), indices)
+
+    kv_lists, q_lists = lists(n_q, n_kv), lists(n_kv, n_q)
+    return BlockMask(*kv_lists, *q_lists, block_size=block, seq_lengths=(L, S), mask_mod=None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,30 +152,42 @@ def _flex(p: Problem, q, k, v, masks, score_caps, mask_caps):
 
 
 def _flex_fwd(p: Problem, q, k, v, masks, score_caps, mask_caps):
+    # symbolic_zeros: each argument leaf arrives as CustomVJPPrimal(value, perturbed).
+    differentiated = tuple(c.perturbed for c in score_caps)
+    q, k, v, masks, score_caps, mask_caps = custom_vjp_primal_tree_values(
+        (q, k, v, masks, score_caps, mask_caps))
     out, lse = _forward(p, q, k, v, masks, score_caps, mask_caps)
-    return (out, lse), (q, k, v, masks, score_caps, mask_caps, out, lse)
+    return (out, lse), (q, k, v, masks, score_caps, mask_caps, out, lse, differentiated)
+
+
+def _dense_zeros(cotangent):
+    if isinstance(cotangent, SymbolicZero):
+        return jnp.zeros(cotangent.shape, cotangent.dtype)
+    return cotangent
 
 
 def _flex_bwd(p: Problem, residuals, cotangents):
-    q, k, v, masks, score_caps, mask_caps, out, lse = residuals
-    d_out, d_lse = cotangents
+    q, k, v, masks, score_caps, mask_caps, out, lse, differentiated = residuals
+    d_out, d_lse = (_dense_zeros(c) for c in cotangents)
     d_lse = d_lse.astype(jnp.float32)
     if p.implementation == "xla":
         dq, dk, dv, d_caps = xla.backward(p, q, k, v, masks["partial"], masks["full"],
-                                          score_caps, mask_caps, out, lse, d_out, d_lse)
+                                          score_caps, mask_caps, out, lse, d_out, d_lse,
+                                          differentiated)
     else:
         dq, dk, dv = pallas_triton_bwd.backward(p, q, k, v, masks, score_caps, mask_caps, out,
                                                 lse, d_out, d_lse)
-        d_caps = xla.capture_cotangents(score_caps, {})
-        if any(jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps):
-            # Gradients of captured arrays: an XLA pass over key blocks (deterministic).
-            *_, d_caps = xla.backward(p, q, k, v, masks["partial"], masks["full"], score_caps,
-                                      mask_caps, out, lse, d_out, d_lse, operand_grads=False)
-    d_masks = jax.tree.map(lambda m: np.zeros(m.shape, jax.dtypes.float0), masks)
-    return dq, dk, dv, d_masks, tuple(d_caps), tuple(xla.capture_cotangents(mask_caps, {}))
+        d_caps = [None] * len(score_caps)
+        if any(differentiated):
+            # Gradients of captured arrays: an XLA pass over key blocks (deterministic), run
+            # only when some captured array is being differentiated.
+            partial, full = _dense_tables(masks)
+            *_, d_caps = xla.backward(p, q, k, v, partial, full, score_caps, mask_caps, out,
+                                      lse, d_out, d_lse, differentiated, operand_grads=False)
+    return dq, dk, dv, None, tuple(d_caps), None
 
 
-_flex.defvjp(_flex_fwd, _flex_bwd)
+_flex.defvjp(_flex_fwd, _flex_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,10 +204,16 @@ def _mask_arrays(implementation: str, block_mask: BlockMask) -> dict[str, jax.Ar
                      full_kv_indices=block_mask.full_kv_indices,
                      full_q_num_blocks=block_mask.full_q_num_blocks,
                      full_q_indices=block_mask.full_q_indices)
-    masks = {name: jnp.asarray(x, jnp.int32) for name, x in masks.items()}
-    # The backward's XLA pass for captured-array gradients needs the dense tables too.
-    masks.update(partial=block_mask.partial_blocks(), full=block_mask.full_blocks())
-    return masks
+    return {name: jnp.asarray(x, jnp.int32) for name, x in masks.items()}
+
+
+def _dense_tables(masks: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """[Bm, Hm, nQ, nKV] partial and full tables from the kernels' kv-major lists."""
+    n_kv = masks["kv_indices"].shape[-1]
+    partial = dense_from_lists(masks["kv_num_blocks"], masks["kv_indices"], n_kv)
+    if "full_kv_num_blocks" not in masks:
+        return partial, jnp.zeros_like(partial)
+    return partial, dense_from_lists(masks["full_kv_num_blocks"], masks["full_kv_indices"], n_kv)
 
 
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -236,7 +262,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     resolved = None
     fwd_mods = bwd_mods = xla_mods
     if implementation != "xla":
-        resolved = config or heuristic_config(E, block_mask.block_size)
+        resolved = config or heuristic_config(E, block_mask.block_size,
+                                              masked=block_mask.mask_mod is not None)
         resolved.check_fits(block_mask.block_size)
         fwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                *_tile_signature(resolved.block_q, resolved.block_k))

@@ -20,7 +20,7 @@ class AttentionConfig:
     block_q: int = 128
     block_k: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
     bwd_block_q: int = 64
     bwd_block_k: int = 64
     bwd_num_warps: int = 4
@@ -42,11 +42,16 @@ class AttentionConfig:
                                  "BlockMask with larger blocks.")
 
 
-def heuristic_config(head_dim: int, mask_block: tuple[int, int]) -> AttentionConfig:
-    """The default config for a head dim and a BlockMask block size."""
-    # H100 sweep (benchmarks/RESULTS.md): 128x64 w4 led at D=128 full, 64x128 w4 at D=64 full.
+def heuristic_config(head_dim: int, mask_block: tuple[int, int], *,
+                     masked: bool) -> AttentionConfig:
+    """The default config for a head dim and a BlockMask block size; `masked`: the BlockMask
+    has a mask_mod (partial blocks), which moves the D <= 64 optimum."""
+    # H100 sweeps (benchmarks/RESULTS.md, "Forward tile sweep"): 128x64 w4 s2 leads at D=128
+    # with or without a mask; at D=64, 64x128 w4 s3 without one and 64x64 w4 s3 with one.
     if head_dim > 64:
-        config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=3)
+        config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
+    elif masked:
+        config = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
     else:
         config = AttentionConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)
 

@@ -37,7 +37,7 @@ def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
 
 def _ds(p: Problem, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp):
     """(P, dS' = gradient w.r.t. the raw scaled score) of one tile."""
-    prob = jnp.exp2(s * LOG2_E - lse2[:, None])
+    prob = tiles.exp2(p, s * LOG2_E - lse2[:, None])
     if keep is not None:
         prob = jnp.where(keep, prob, 0.0)
     ds = prob * (dp - delta[:, None])
@@ -57,7 +57,6 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         _split_refs(refs, n_lists, n_score, n_mask, 6))
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
     mask_bk = p.mask_block[1]
-    per_block = mask_bk // bk
     b, h, mb, mh, q0, row = tiles.query_program(p, bq)
     here = (slice(None),)
     q_tile = tiles.load_tile(q_ref, here, q0, bq, p.L, p.E)
@@ -65,9 +64,7 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     lse2 = tiles.load_vector(lse_ref, here, q0, bq, p.L)
     delta = tiles.load_vector(delta_ref, here, q0, bq, p.L)
 
-    def visit(j, dq, indices_ref, apply_mask_mod):
-        block, offset = tiles.block_and_offset(j, per_block)
-        kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
+    def visit(kv0, dq, apply_mask_mod):
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
         v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
         raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
@@ -77,11 +74,8 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         _, ds = _ds(p, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp)
         return dq + jnp.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=jnp.float32)
 
-    dq = jnp.zeros((bq, tiles.padded(p.E)), jnp.float32)
-    for k in range(0, n_lists, 2):
-        dq = lax.fori_loop(0, lists[k][mb, mh, row] * per_block,
-                           functools.partial(visit, indices_ref=lists[k + 1],
-                                             apply_mask_mod=k == 0), dq)
+    dq = tiles.walk(lists, (mb, mh, row), bk, mask_bk, visit,
+                    jnp.zeros((bq, tiles.padded(p.E)), jnp.float32))
     tiles.store_tile(dq_ref, here, (dq * p.scale).astype(dq_ref.dtype), q0, p.L, p.E)
 
 
@@ -95,7 +89,6 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     dk_ref, dv_ref = outs
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
     mask_bq, mask_bk = p.mask_block
-    per_block = mask_bq // bq
     jt, bh = pl.program_id(0), pl.program_id(1)
     b, hkv = bh // p.Hkv, bh % p.Hkv
     mb = b if p.mask_batch > 1 else 0
@@ -109,10 +102,8 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         h = hkv * p.groups + g
         mh = h if p.mask_heads > 1 else 0
 
-        def visit(j, carry, indices_ref, apply_mask_mod):
+        def visit(q0, carry, apply_mask_mod):
             dk, dv = carry
-            block, offset = tiles.block_and_offset(j, per_block)
-            q0 = indices_ref[mb, mh, col, block] * mask_bq + offset * bq
             rows = (g, pl.ds(q0, bq))
             q_tile = tiles.load_tile(q_ref, rows, q0, bq, p.L, p.E, mask_bq)
             do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev, mask_bq)
@@ -130,11 +121,7 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
                                       preferred_element_type=jnp.float32)
             return dk, dv
 
-        for k in range(0, n_lists, 2):
-            carry = lax.fori_loop(0, lists[k][mb, mh, col] * per_block,
-                                  functools.partial(visit, indices_ref=lists[k + 1],
-                                                    apply_mask_mod=k == 0), carry)
-        return carry
+        return tiles.walk(lists, (mb, mh, col), bq, mask_bq, visit, carry)
 
     dk, dv = lax.fori_loop(0, p.groups, head,
                            (jnp.zeros((bk, tiles.padded(p.E)), jnp.float32),

@@ -12,7 +12,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -29,27 +28,27 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     out_ref, lse_ref = refs[-2:]
     bq, bk = p.config.block_q, p.config.block_k
     mask_bk = p.mask_block[1]
-    per_block = mask_bk // bk
 
     # ---- this program: one query tile of (b, h) ------------------------------------------------
     b, h, mb, mh, q0, row = tiles.query_program(p, bq)
     q_tile = tiles.load_tile(q_ref, (slice(None),), q0, bq, p.L, p.E)
 
-    def visit(j, carry, indices_ref, apply_mask_mod):
+    deferred = tiles.deferred_scale(p, p.fwd)
+    factor = deferred * LOG2_E  # scores -> base-2 logits
+
+    def visit(kv0, carry, apply_mask_mod):
         m_i, l_i, acc = carry
-        block, offset = tiles.block_and_offset(j, per_block)
-        kv0 = indices_ref[mb, mh, row, block] * mask_bk + offset * bk
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
         _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
-                                             b, h, q0, kv0, apply_mask_mod)
-        t = s * LOG2_E
+                                             b, h, q0, kv0, apply_mask_mod, deferred=deferred)
         if keep is not None:
-            t = jnp.where(keep, t, MASK_VALUE)
-        m_new = jnp.maximum(m_i, t.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        prob = jnp.exp2(t - m_new[:, None])
-        if keep is not None:
-            prob = jnp.where(keep, prob, 0.0)
+            # -inf, not a finite stand-in: the running max starts at the finite MASK_VALUE, so
+            # masked scores give exp2(-inf) = 0 even in rows with nothing kept yet, and the
+            # mask dies here rather than staying live (in predicate registers) past the exp2.
+            s = jnp.where(keep, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
+        alpha = tiles.exp2(p, m_i - m_new)
+        prob = tiles.exp2(p, s * factor - m_new[:, None])
         v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
         acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
                                              preferred_element_type=jnp.float32)
@@ -58,12 +57,7 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     # ---- partial blocks, then full blocks -------------------------------------------------------
     carry = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
              jnp.zeros((bq, tiles.padded(p.Ev)), jnp.float32))
-    for k in range(0, n_lists, 2):
-        num_ref, indices_ref = list_refs[k], list_refs[k + 1]
-        carry = lax.fori_loop(0, num_ref[mb, mh, row] * per_block,
-                              functools.partial(visit, indices_ref=indices_ref,
-                                                apply_mask_mod=k == 0), carry)
-    m_i, l_i, acc = carry
+    m_i, l_i, acc = tiles.walk(list_refs, (mb, mh, row), bk, mask_bk, visit, carry)
 
     # ---- normalise; rows that attend to nothing give 0 and LSE -inf ----------------------------
     l_safe = jnp.where(l_i == 0, 1.0, l_i)

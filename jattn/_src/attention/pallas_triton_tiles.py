@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.pallas_triton_lookup import call_in_kernel
@@ -16,12 +17,40 @@ from jattn._src.pallas_triton_masked import both, bounds, load, store
 from jattn._src.tiling import cdiv, next_power_of_two
 
 
-def block_and_offset(j, per_block: int):
-    """(j // per_block, j % per_block) for a non-negative loop index, with plain integer ops
-    (jnp's floor-division sign fix-ups do not lower inside a Triton loop)."""
-    if per_block == 1:
-        return j, 0
-    return lax.div(j, jnp.int32(per_block)), lax.rem(j, jnp.int32(per_block))
+def walk(lists, owner: tuple, tile: int, block: int, visit, carry):
+    """Runs carry = visit(start, carry, apply_mask_mod) over the tiles one program visits: the
+    partial blocks, then the full blocks, listed for `owner` (the (batch, head, row) index of
+    the program's block row or column) in `lists` (num/indices ref pairs). Each block of
+    `block` positions is `block // tile` tiles.
+    """
+    per_block = block // tile
+
+    def start(indices_ref, j):
+        if per_block == 1:
+            return indices_ref[(*owner, j)] * block
+        # Plain integer ops: jnp's floor-division sign fix-ups do not lower in a Triton loop.
+        index, offset = lax.div(j, jnp.int32(per_block)), lax.rem(j, jnp.int32(per_block))
+        return indices_ref[(*owner, index)] * block + offset * tile
+
+    for k in range(0, len(lists), 2):
+        num_ref, indices_ref = lists[k], lists[k + 1]
+        carry = lax.fori_loop(
+            0, num_ref[owner] * per_block,
+            lambda j, c, indices_ref=indices_ref, partial=k == 0: visit(start(indices_ref, j),
+                                                                        c, partial),
+            carry)
+    return carry
+
+
+def exp2(p: Problem, x):
+    """2**x of a float32 tile. On the GPU one MUFU.EX2 per element (ex2.approx.ftz): jnp.exp2
+    lowers to libdevice's exp2f, which wraps it in denormal handling the softmax does not need
+    (results below 2**-126 become 0)."""
+    if p.implementation == "interpret":
+        return jnp.exp2(x)
+    return plgpu.elementwise_inline_asm(
+        "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
 def heaviest_first(length: int, tile: int, program):
@@ -69,15 +98,26 @@ def store_tile(ref, index, value, row0, length: int, dim: int):
     store(ref, (*index, slice(None)), value, mask)
 
 
+def deferred_scale(p: Problem, mods: Mods) -> float:
+    """The part of the score scale a softmax may apply late: all of it when there is no
+    score_mod and it is positive (a positive factor commutes with the row max and folds into
+    the exp2 argument, one FFMA per score), else none (1.0)."""
+    return p.scale if mods.score is None and p.scale > 0 else 1.0
+
+
 def tile_scores(p: Problem, mods: Mods, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0,
-                apply_mask_mod: bool):
-    """(raw scale·q·kᵀ, modded score, keep mask or None) of one [rows, cols] tile."""
+                apply_mask_mod: bool, *, deferred: float = 1.0):
+    """(raw scale·q·kᵀ, modded score, keep mask or None, q_idx, kv_idx) of one [rows, cols] tile.
+
+    deferred: a factor of the scale (from `deferred_scale`) left out of raw and the score.
+    """
     rows, cols = q_tile.shape[0], k_tile.shape[0]
-    raw = lax.dot_general(q_tile, k_tile, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * p.scale
+    dot = lax.dot_general(q_tile, k_tile, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)
     q_idx = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
     kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    s = raw
+    scale = p.scale / deferred
+    raw = s = dot if scale == 1.0 else dot * scale
     if mods.score is not None:
         s = call_in_kernel(mods.score, score_refs, raw, b, h, q_idx, kv_idx)[0]
     # Tiles are visited up to whole BlockMask blocks, which may reach past the sequence ends.

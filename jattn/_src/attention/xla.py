@@ -13,7 +13,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jattn._src.attention.common import Mods, Problem
@@ -108,17 +107,12 @@ def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
     return out, lse
 
 
-def capture_cotangents(captures: Sequence[Any], grads: dict[int, Any]) -> list[Any]:
-    """Cotangents for every captured array: the given float ones, float0 zeros for the rest."""
-    return [grads[i] if i in grads else np.zeros(np.shape(c), jax.dtypes.float0)
-            for i, c in enumerate(captures)]
-
-
 def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, out, lse, d_out,
-             d_lse, *, operand_grads: bool = True):
+             d_lse, differentiated: Sequence[bool], *, operand_grads: bool = True):
     """(dq, dk, dv, d_score_captures); dq/dk/dv are None when operand_grads is False.
 
-    d_lse is the cotangent of the natural-log LSE: it enters as delta - d_lse.
+    d_lse is the cotangent of the natural-log LSE: it enters as delta - d_lse. Captured arrays
+    get a gradient where `differentiated` says so (float ones only), None elsewhere.
     """
     group = lambda x: x.reshape(p.B, p.Hkv, p.groups, *x.shape[2:])  # noqa: E731
     qg, dog = group(q), group(d_out)
@@ -126,8 +120,8 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
     lse = group(lse)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]
     score_captures = list(score_captures)
-    learnable = [i for i, c in enumerate(score_captures)
-                 if jnp.issubdtype(jnp.result_type(c), jnp.floating)]
+    learnable = [i for i, (c, wanted) in enumerate(zip(score_captures, differentiated))
+                 if wanted and jnp.issubdtype(jnp.result_type(c), jnp.floating)]
 
     def with_learnable(values):
         captures = list(score_captures)
@@ -170,7 +164,8 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns((partial, full)))
     (dq, d_caps), per_block = lax.scan(step, (dq0, zeros_caps), xs)
-    d_caps = capture_cotangents(score_captures, dict(zip(learnable, d_caps)))
+    d_caps = dict(zip(learnable, d_caps))
+    d_caps = [d_caps.get(i) for i in range(len(score_captures))]
     if not operand_grads:
         return None, None, None, d_caps
 

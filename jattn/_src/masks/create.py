@@ -6,14 +6,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair
 from jattn._src.tiling import cdiv
 
-# Mask elements evaluated per step of create_block_mask (~128 MiB of bool if XLA materialised
-# them; it fuses the comparison into the block reduction, so usually far less).
-_CHUNK_ELEMENTS = 1 << 27
+
+def _chunk_elements() -> int:
+    """Mask elements evaluated per step of create_block_mask. On GPUs XLA fuses the evaluation
+    into the per-block count (a few MiB at 128k); the CPU backend materialises a step's int32
+    counts input, so it takes smaller steps."""
+    return 1 << 27 if jax.default_backend() == "gpu" else 1 << 23
 
 
 def _index_grids(B: int, H: int):
@@ -31,37 +35,50 @@ def _evaluate(mask_mod: MaskMod, b, h, q_idx, kv_idx, shape) -> jax.Array:
     return jnp.broadcast_to(out, shape)
 
 
+def _valid_counts(length: int, block: int, n: int) -> np.ndarray:
+    """Positions of each of n blocks inside the sequence (the last one may be ragged)."""
+    return np.minimum(block, length - block * np.arange(n))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _block_tables(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: int,
-                  block_kv: int):
-    """[B, H, nQ, nKV] tables of partial and full blocks, a few query blocks per step."""
+def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: int,
+           block_kv: int) -> BlockMask:
+    """Counts the attending pairs of every block, a few query-block rows per step, then lists
+    the partial (some pairs) and full (all pairs) blocks."""
     n_q, n_kv = cdiv(q_len, block_q), cdiv(kv_len, block_kv)
-    rows = max(1, min(n_q, _CHUNK_ELEMENTS // (B * H * block_q * n_kv * block_kv)))
+    rows = max(1, min(n_q, _chunk_elements() // (B * H * block_q * n_kv * block_kv)))
     b, h = _index_grids(B, H)
-    kv = jnp.arange(n_kv * block_kv, dtype=jnp.int32)[None, None, None, :]
-    kv_in = kv < kv_len
+    q_in_block = jnp.arange(block_q, dtype=jnp.int32)[None, None, :, None]
+    kv_in_block = jnp.arange(block_kv, dtype=jnp.int32)[None, None, None, :]
+    kv_starts = jnp.arange(n_kv, dtype=jnp.int32) * block_kv
+    ragged = bool(q_len % block_q or kv_len % block_kv)
+
+    def block(q0, kv0):
+        """Attending pairs of the block at (q0, kv0): mask_mod on the usual [B, H, q, kv]
+        shapes, vmapped over blocks so the count reduces contiguous elements."""
+        q, kv = q0 + q_in_block, kv0 + kv_in_block
+        shape = (B, H, block_q, block_kv)
+        if not ragged:
+            return _evaluate(mask_mod, b, h, q, kv, shape).sum((-2, -1), dtype=jnp.int32)
+        # Positions past the ends are evaluated at the last valid index (a captured array
+        # never sees an index past its end) and not counted.
+        attends = _evaluate(mask_mod, b, h, jnp.minimum(q, q_len - 1),
+                            jnp.minimum(kv, kv_len - 1), shape)
+        return (attends & (q < q_len) & (kv < kv_len)).sum((-2, -1), dtype=jnp.int32)
+
+    row_of_blocks = jax.vmap(block, in_axes=(None, 0))  # [n_kv, B, H]
 
     def step(first_row):
-        q = first_row * block_q + jnp.arange(rows * block_q, dtype=jnp.int32)[None, None, :, None]
-        q_in = q < q_len
-        # Out-of-range positions are evaluated at the last valid index (a captured array never
-        # sees an index past its end) and then count as "attends" for fullness, "not" for any.
-        attends = _evaluate(mask_mod, b, h, jnp.minimum(q, q_len - 1),
-                            jnp.minimum(kv, kv_len - 1), (B, H, rows * block_q, kv.shape[-1]))
-        valid = q_in & kv_in
-        blocks = (B, H, rows, block_q, n_kv, block_kv)
-        any_ = (attends & valid).reshape(blocks).any(axis=(3, 5))
-        all_ = (attends | ~valid).reshape(blocks).all(axis=(3, 5))
-        return any_, all_
+        q_starts = (first_row + jnp.arange(rows, dtype=jnp.int32)) * block_q
+        return jax.vmap(row_of_blocks, in_axes=(0, None))(q_starts, kv_starts)
 
-    starts = jnp.arange(0, n_q, rows, dtype=jnp.int32)
-    any_, all_ = lax.map(step, starts)  # [steps, B, H, rows, nKV]
-
-    def stitch(x):
-        return jnp.moveaxis(x, 0, 2).reshape(B, H, -1, n_kv)[:, :, :n_q]
-
-    any_, all_ = stitch(any_), stitch(all_)
-    return any_ & ~all_, all_
+    counts = lax.map(step, jnp.arange(0, n_q, rows, dtype=jnp.int32))  # [steps, rows, nKV, B, H]
+    counts = jnp.moveaxis(counts.reshape(-1, n_kv, B, H)[:n_q], (0, 1), (2, 3))
+    valid = np.outer(_valid_counts(q_len, block_q, n_q), _valid_counts(kv_len, block_kv, n_kv))
+    full = counts == valid
+    return BlockMask.from_dense_blocks((counts > 0) & ~full, full,
+                                       block_size=(block_q, block_kv),
+                                       seq_lengths=(q_len, kv_len), mask_mod=mask_mod)
 
 
 def _check_sizes(fn: str, B, H, Q_LEN, KV_LEN) -> tuple[int, int, int, int]:
@@ -89,9 +106,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     block_size = _pair("block_size", block_size)
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: `mask_mod` must be callable, got {mask_mod!r}.")
-    partial, full = _block_tables(mask_mod, B, H, Q_LEN, KV_LEN, *block_size)
-    return BlockMask.from_dense_blocks(partial, full, block_size=block_size,
-                                       seq_lengths=(Q_LEN, KV_LEN), mask_mod=mask_mod)
+    return _build(mask_mod, B, H, Q_LEN, KV_LEN, *block_size)
 
 
 def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int,
