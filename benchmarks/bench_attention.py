@@ -97,6 +97,7 @@ def bench_case(name, B, H, L, D, kind) -> dict:
     import torch
     from torch.nn.attention import flex_attention as tflex
 
+    torch._dynamo.reset()  # a fresh compile per case (first-call time; no recompile limit)
     rng = np.random.default_rng(0)
     sets = [[jnp.asarray(rng.standard_normal((B, H, L, D)), jnp.bfloat16) for _ in range(3)]
             for _ in range(COPIES)]

@@ -16,19 +16,28 @@ RADIUS = 40
 SEGMENTS = np.repeat(np.arange(5), -(-S // 5))[:S]
 SLOPES = np.exp2(-8.0 * np.arange(1, H + 1) / H)
 
-# (jattn mask_mod, torch mask_mod); index tensors are int64 in torch, int32 here.
-MASKS = {
-    "causal": (jattn.masks.causal_mask, lambda b, h, q, kv: q >= kv),
-    "sliding": (jattn.masks.sliding_window(48), lambda b, h, q, kv: (q >= kv) & (q - kv < 48)),
-    "prefix": (jattn.masks.prefix_lm(64), lambda b, h, q, kv: (kv < 64) | (q >= kv)),
-    "document": (jattn.masks.document_mask(jnp.asarray(SEGMENTS, jnp.int32)),
-                 lambda b, h, q, kv: torch.tensor(SEGMENTS)[q] == torch.tensor(SEGMENTS)[kv]),
+JATTN_MASKS = {
+    "causal": jattn.masks.causal_mask,
+    "sliding": jattn.masks.sliding_window(48),
+    "prefix": jattn.masks.prefix_lm(64),
+    "document": jattn.masks.document_mask(jnp.asarray(SEGMENTS, jnp.int32)),
 }
 
 
-def _torch_mod(name, table):
+def _torch_mask(name, device):
+    if name == "causal":
+        return lambda b, h, q, kv: q >= kv
+    if name == "sliding":
+        return lambda b, h, q, kv: (q >= kv) & (q - kv < 48)
+    if name == "prefix":
+        return lambda b, h, q, kv: (kv < 64) | (q >= kv)
+    segments = torch.tensor(SEGMENTS, device=device)
+    return lambda b, h, q, kv: segments[q] == segments[kv]
+
+
+def _torch_mod(name, table, device):
     if name == "alibi":
-        slopes = torch.tensor(SLOPES)
+        slopes = torch.tensor(SLOPES, device=device)
         return lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
     if name == "softcap":
         return lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)
@@ -58,13 +67,13 @@ def _compare(mask, mod, device, grads):
     # torch, float64 eager
     tq, tk, tv, ttable = (torch.tensor(x, device=device, requires_grad=grads)
                           for x in (q, k, v, table))
-    t_mask = flex.create_block_mask(MASKS[mask][1], None, None, L, S, device=device)
-    t_out, t_lse = flex.flex_attention(tq, tk, tv, score_mod=_torch_mod(mod, ttable),
+    t_mask = flex.create_block_mask(_torch_mask(mask, device), None, None, L, S, device=device)
+    t_out, t_lse = flex.flex_attention(tq, tk, tv, score_mod=_torch_mod(mod, ttable, device),
                                        block_mask=t_mask, return_lse=True)
 
     # jattn, float32 through the XLA implementation on the CPU (exact f32 dots)
     def run(q, k, v, table):
-        block_mask = jattn.create_block_mask(MASKS[mask][0], None, None, L, S)
+        block_mask = jattn.create_block_mask(JATTN_MASKS[mask], None, None, L, S)
         return jattn.flex_attention(q, k, v, _jattn_mod(mod, table), block_mask,
                                     return_lse=True, implementation="xla")
 

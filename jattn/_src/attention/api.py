@@ -92,7 +92,11 @@ def _i32(*shape):
     return jax.ShapeDtypeStruct(shape, jnp.int32)
 
 
-def _tile_signature(block_q: int, block_k: int):
+def _tile_signature(block_q: int, block_k: int, *, transposed: bool = False):
+    """Mod arguments on a kernel tile: [queries, keys], or transposed [keys, queries]."""
+    if transposed:
+        score = jax.ShapeDtypeStruct((block_k, block_q), jnp.float32)
+        return score, (_i32(), _i32(), _i32(1, block_q), _i32(block_k, 1))
     score = jax.ShapeDtypeStruct((block_q, block_k), jnp.float32)
     return score, (_i32(), _i32(), _i32(block_q, 1), _i32(1, block_k))
 
@@ -260,7 +264,7 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     score_sig, index_sig = xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1])
     xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)
     resolved = None
-    fwd_mods = bwd_mods = xla_mods
+    fwd_mods = bwd_mods = dkdv_mods = xla_mods
     if implementation != "xla":
         resolved = config or heuristic_config(E, block_mask.block_size,
                                               masked=block_mask.mask_mod is not None)
@@ -269,11 +273,14 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                *_tile_signature(resolved.block_q, resolved.block_k))
         bwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k))
+        dkdv_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
+                                *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k,
+                                                 transposed=True))
     problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                       mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                       mask_block=block_mask.block_size, scale=scale,
                       implementation=implementation, config=resolved, fwd=fwd_mods,
-                      bwd=bwd_mods, xla=xla_mods)
+                      bwd=bwd_mods, dkdv=dkdv_mods, xla=xla_mods)
     out, lse = _flex(problem, q, k, v, _mask_arrays(implementation, block_mask),
                      tuple(score_set.captures), tuple(mask_set.captures))
     return (out, lse) if return_lse else out

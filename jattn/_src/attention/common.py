@@ -45,7 +45,8 @@ class Problem:
     implementation: str
     config: AttentionConfig | None
     fwd: Mods          # kernel forward tile, or the XLA block
-    bwd: Mods          # kernel backward tile, or the XLA block
+    bwd: Mods          # kernel dQ tile [queries, keys], or the XLA block
+    dkdv: Mods         # kernel dK/dV tile, transposed: [keys, queries]; or the XLA block
     xla: Mods          # XLA block: the XLA path, and gradients of captured arrays
 
     @property

@@ -48,6 +48,7 @@ def heuristic_config(head_dim: int, mask_block: tuple[int, int], *,
     has a mask_mod (partial blocks), which moves the D <= 64 optimum."""
     # H100 sweeps (benchmarks/RESULTS.md, "Forward tile sweep"): 128x64 w4 s2 leads at D=128
     # with or without a mask; at D=64, 64x128 w4 s3 without one and 64x64 w4 s3 with one.
+    # Backward: 64x64 w4 s2 led every case of the backward sweep.
     if head_dim > 64:
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
     elif masked:

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention import pallas_triton_tiles as tiles
-from jattn._src.attention.common import Problem
+from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import LOG2_E
 from jattn._src.pallas_triton_lookup import call_in_kernel
 
@@ -35,14 +35,18 @@ def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
     return ins, lists, score_refs, mask_refs, outs
 
 
-def _ds(p: Problem, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp):
-    """(P, dS' = gradient w.r.t. the raw scaled score) of one tile."""
-    prob = tiles.exp2(p, s * LOG2_E - lse2[:, None])
+def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta,
+        dp):
+    """(P, dS' = gradient w.r.t. the raw scaled score) of one tile, either orientation (lse2
+    and delta shaped to broadcast along the query axis). s and raw may lack the deferred part
+    of the scale (`tiles.deferred_scale`), applied here inside one FFMA."""
+    factor = tiles.deferred_scale(p, mods) * LOG2_E
+    prob = tiles.exp2(p, s * factor - lse2)
     if keep is not None:
         prob = jnp.where(keep, prob, 0.0)
-    ds = prob * (dp - delta[:, None])
-    if p.bwd.score_vjp is not None:
-        ds = call_in_kernel(p.bwd.score_vjp, score_refs, raw, b, h, q_idx, kv_idx, ds)[0]
+    ds = prob * (dp - delta)
+    if mods.score_vjp is not None:
+        ds = call_in_kernel(mods.score_vjp, score_refs, raw, b, h, q_idx, kv_idx, ds)[0]
     if keep is not None:
         ds = jnp.where(keep, ds, 0.0)
     return prob, ds
@@ -68,10 +72,12 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
         v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
         raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
-            p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
+            p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod,
+            deferred=tiles.deferred_scale(p, p.bwd))
         dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
-        _, ds = _ds(p, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp)
+        _, ds = _ds(p, p.bwd, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2[:, None],
+                    delta[:, None], dp)
         return dq + jnp.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=jnp.float32)
 
     dq = tiles.walk(lists, (mb, mh, row), bk, mask_bk, visit,
@@ -109,16 +115,17 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
             do_tile = tiles.load_tile(do_ref, rows, q0, bq, p.L, p.Ev, mask_bq)
             lse2 = tiles.load_vector(lse_ref, rows, q0, bq, p.L, mask_bq)
             delta = tiles.load_vector(delta_ref, rows, q0, bq, p.L, mask_bq)
+            # [keys, queries] tiles: Pᵀ and dSᵀ feed the dV and dK products as they are.
             raw, s, keep, q_idx, kv_idx = tiles.tile_scores(
-                p, p.bwd, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod)
-            dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
+                p, p.dkdv, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0, apply_mask_mod,
+                deferred=tiles.deferred_scale(p, p.dkdv), transposed=True)
+            dp = lax.dot_general(v_tile, do_tile, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-            prob, ds = _ds(p, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta, dp)
-            transposed = (((0,), (0,)), ((), ()))
-            dv = dv + lax.dot_general(prob.astype(do_tile.dtype), do_tile, transposed,
-                                      preferred_element_type=jnp.float32)
-            dk = dk + lax.dot_general(ds.astype(q_tile.dtype), q_tile, transposed,
-                                      preferred_element_type=jnp.float32)
+            prob, ds = _ds(p, p.dkdv, score_refs, raw, s, keep, b, h, q_idx, kv_idx,
+                           lse2[None, :], delta[None, :], dp)
+            dv = dv + jnp.dot(prob.astype(do_tile.dtype), do_tile,
+                              preferred_element_type=jnp.float32)
+            dk = dk + jnp.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=jnp.float32)
             return dk, dv
 
         return tiles.walk(lists, (mb, mh, col), bq, mask_bq, visit, carry)

@@ -106,16 +106,22 @@ def deferred_scale(p: Problem, mods: Mods) -> float:
 
 
 def tile_scores(p: Problem, mods: Mods, score_refs, mask_refs, q_tile, k_tile, b, h, q0, kv0,
-                apply_mask_mod: bool, *, deferred: float = 1.0):
-    """(raw scale·q·kᵀ, modded score, keep mask or None, q_idx, kv_idx) of one [rows, cols] tile.
+                apply_mask_mod: bool, *, deferred: float = 1.0, transposed: bool = False):
+    """(raw scale·q·kᵀ, modded score, keep mask or None, q_idx, kv_idx) of one tile.
 
+    The tile is [queries, keys], or with `transposed` [keys, queries] (scale·k·qᵀ, what dK/dV
+    multiply by without transposing registers); `mods` must be traced for that orientation.
     deferred: a factor of the scale (from `deferred_scale`) left out of raw and the score.
     """
-    rows, cols = q_tile.shape[0], k_tile.shape[0]
-    dot = lax.dot_general(q_tile, k_tile, (((1,), (1,)), ((), ())),
+    queries, keys = q_tile.shape[0], k_tile.shape[0]
+    first, second = (k_tile, q_tile) if transposed else (q_tile, k_tile)
+    dot = lax.dot_general(first, second, (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32)
-    q_idx = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    q_axis, kv_axis = (1, 0) if transposed else (0, 1)
+    q_shape, kv_shape = [1, 1], [1, 1]
+    q_shape[q_axis], kv_shape[kv_axis] = queries, keys
+    q_idx = q0 + lax.broadcasted_iota(jnp.int32, tuple(q_shape), q_axis)
+    kv_idx = kv0 + lax.broadcasted_iota(jnp.int32, tuple(kv_shape), kv_axis)
     scale = p.scale / deferred
     raw = s = dot if scale == 1.0 else dot * scale
     if mods.score is not None:
