@@ -34,6 +34,9 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
            out_dtype, transpose_a: bool = False, transpose_b: bool = False,
            epilogue: TracedFunction | None = None, save_preact: bool = False):
     """Same contract as `pallas_triton.matmul` with split_k == 1; epilogue traced at [M, N]."""
+    # bf16/f16 products are exact in float32, so upcasting first is the same math, and it also
+    # runs where XLA has no mixed-precision batched dot (the CPU backend, under bmm's vmap).
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     acc = jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b,
                   preferred_element_type=jnp.float32)
     return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)

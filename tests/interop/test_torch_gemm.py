@@ -1,0 +1,117 @@
+"""interop.torch.matmul / bmm: bitwise equal to jattn (outputs and autograd gradients), opcheck,
+torch.compile(fullgraph=True), bad input."""
+
+import jax
+import numpy as np
+import pytest
+
+import jattn
+
+torch = pytest.importorskip("torch")
+import interop.torch as jt  # noqa: E402
+
+CASES = {
+    "matmul": dict(a=(3, 37, 64), b=(64, 48), bias=(48,)),
+    "bmm": dict(a=(2, 1, 37, 64), b=(3, 64, 48), bias=(48,)),
+}
+
+
+def _tensors(kind, dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=gen).to(dtype=dtype, device=device).requires_grad_()
+            for shape in CASES[kind].values()]
+
+
+def _jattn(kind, a, b, bias, implementation):
+    fn = jattn.matmul if kind == "matmul" else jattn.bmm
+    return fn(a, b, bias=bias, implementation=implementation)
+
+
+def _check_bitwise(kind, dtype, device, implementation):
+    a, b, bias = _tensors(kind, dtype, device)
+    out = getattr(jt, kind)(a, b, bias)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    out.backward(grad)
+
+    arrays = [jax.dlpack.from_dlpack(x.detach()) for x in (a, b, bias, grad)]
+    ours = jax.jit(lambda a, b, bias: _jattn(kind, a, b, bias, implementation))(*arrays[:3])
+
+    def vjp(a, b, bias, g):
+        return jax.vjp(lambda *x: _jattn(kind, *x, implementation), a, b, bias)[1](g)
+
+    grads = jax.jit(vjp)(*arrays)
+    np.testing.assert_array_equal(out.detach().float().cpu().numpy(),
+                                  np.asarray(ours, np.float32))
+    for name, tensor, g in zip("a b bias".split(), (a, b, bias), grads):
+        np.testing.assert_array_equal(tensor.grad.float().cpu().numpy(), np.asarray(g, np.float32),
+                                      err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kind", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bitwise_equal_to_jattn(kind, dtype):
+    _check_bitwise(kind, dtype, "cpu", "xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", CASES)
+def test_bitwise_equal_to_jattn_on_cuda(kind):
+    _check_bitwise(kind, torch.bfloat16, "cuda", "pallas_triton")
+
+
+@pytest.mark.parametrize("kind", CASES)
+def test_opcheck(kind):
+    a, b, bias = _tensors(kind, torch.float32)
+    op = getattr(torch.ops.jattn, kind).default
+    torch.library.opcheck(op, (a, b, bias, None))
+    torch.library.opcheck(op, (a, b, None, None))
+    grad = torch.randn(op(a, b, bias, None).shape)
+    backward = getattr(torch.ops.jattn, f"{kind}_backward").default
+    torch.library.opcheck(backward, (grad, a.detach(), b.detach(), bias.detach(), None))
+
+
+def test_compiles_without_graph_breaks():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(32, 16))
+            self.bias = torch.nn.Parameter(torch.randn(16))
+
+        def forward(self, x):
+            return torch.relu(jt.matmul(x, self.weight, self.bias)) * 2
+
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True)  # raises on a graph break
+    x = torch.randn(8, 32, requires_grad=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, block(x))
+    out.sum().backward()
+    assert x.grad is not None and block.weight.grad is not None
+
+
+def test_bad_input_raises():
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    with pytest.raises(ValueError, match="implementation='pallas_triton' runs on CUDA tensors"):
+        jt.matmul(a, b, implementation="pallas_triton")
+    with pytest.raises(TypeError, match="dtype"):
+        jt.matmul(a, b.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="a \\[8, 16\\] and b \\[12, 4\\]|inner"):
+        jt.matmul(a, torch.randn(12, 4))
+
+
+@pytest.mark.gpu
+def test_ordered_with_torch_work_on_a_side_stream():
+    """Inputs written by torch kernels queued (behind a GPU sleep) on a non-default stream just
+    before the op are read after they finish; torch work after the op sees its result."""
+    n = 2048
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        a = torch.zeros(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.zeros(n, n, device="cuda", dtype=torch.bfloat16)
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the producers run
+        a.fill_(1.0)
+        b.fill_(0.5)
+        out = jt.matmul(a, b)
+        doubled = out * 2  # consumer on the same stream
+    torch.cuda.synchronize()
+    assert torch.all(out == n * 0.5) and torch.all(doubled == n)
