@@ -12,11 +12,13 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import torch
 from torch import Tensor
 
 import jattn
 from interop._dlpack import same_device, to_jax, to_torch
+from interop._translate import TranslatedMod, is_torch_mod, translate
 
 # ------------------------------------------------------------------------------------------------
 # Implementation choice from the tensors' device
@@ -129,3 +131,186 @@ def _gemm_autograd(backward_op):
 
 matmul.register_autograd(_gemm_autograd(matmul_backward), setup_context=_gemm_setup_context)
 bmm.register_autograd(_gemm_autograd(bmm_backward), setup_context=_gemm_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# flex attention
+# ------------------------------------------------------------------------------------------------
+
+# Mods cannot be op arguments, so ops receive a key into this registry (a constant string in a
+# torch.compile graph), translated to JAX once per key.
+_MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
+_MOD_OBJECTS: dict[str, tuple] = {}  # the mods themselves: keeps the ids in each key alive
+
+
+def _as_jax_mod(mod, kind: str) -> TranslatedMod | None:
+    """torch-written mods are translated (their captured tensors become op inputs); JAX mods
+    are used as they are (arrays they close over stay JAX constants)."""
+    if mod is None:
+        return None
+    if is_torch_mod(mod, kind):
+        return translate(mod, kind)
+    return TranslatedMod(lambda captures, *args: mod(*args), ())
+
+
+def _identity(mod) -> str:
+    """Who a mod is: its code and the objects it closes over, so a lambda re-created on every
+    call with the same captures reuses one translation and one compiled kernel."""
+    code = getattr(mod, "__code__", None)
+    if mod is None or code is None:
+        return f"{id(mod):x}"
+    cells = tuple(id(cell.cell_contents) for cell in mod.__closure__ or ())
+    return f"{id(code):x}{cells}"
+
+
+@torch._dynamo.assume_constant_result  # runs (and registers) at trace time; the key is a constant
+def register_mods(score_mod, mask_mod) -> str:
+    """The op key for a (score_mod, mask_mod) pair, each torch-written, JAX or None."""
+    key = f"score:{_identity(score_mod)}/mask:{_identity(mask_mod)}"
+    if key not in _MODS:
+        _MODS[key] = (_as_jax_mod(score_mod, "score"), _as_jax_mod(mask_mod, "mask"))
+        _MOD_OBJECTS[key] = (score_mod, mask_mod)
+    return key
+
+
+def mod_captures(key: str) -> list[Tensor]:
+    """The torch tensors the mods of `key` close over: score_mod's, then mask_mod's."""
+    return [t for mod in _MODS[key] if mod is not None for t in mod.captures]
+
+
+# Order of a BlockMask's lists among an op's mask tensors: partial lists, then full ones if any.
+MASK_FIELDS = ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
+               "full_kv_num_blocks", "full_kv_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
+    if not arrays:
+        return None
+    fields = dict.fromkeys(MASK_FIELDS)
+    fields.update(zip(MASK_FIELDS, arrays))
+    return jattn.BlockMask(**fields, block_size=block_size, seq_lengths=seq_lengths,
+                           mask_mod=mask_mod)
+
+
+def _flex_fn(mods, block_size, seq_lengths, scale, enable_gqa, implementation):
+    """flex_attention(q, k, v, mask_arrays, capture_arrays) -> (out, lse) for static options."""
+    score, mask = _MODS[mods]
+    n_score = 0 if score is None else len(score.captures)
+
+    def run(q, k, v, mask_arrays, captures):
+        score_mod = None if score is None else score.bind(captures[:n_score])
+        mask_mod = None if mask is None else mask.bind(captures[n_score:])
+        block_mask = _jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
+        return jattn.flex_attention(q, k, v, score_mod, block_mask, scale=scale,
+                                    enable_gqa=enable_gqa, return_lse=True,
+                                    implementation=implementation)
+    return run
+
+
+_FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation")
+
+
+def _learnable(captures) -> list[bool]:
+    return [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
+
+
+@functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
+def _flex(q, k, v, mask_arrays, captures, **static):
+    return _flex_fn(**static)(q, k, v, mask_arrays, captures)
+
+
+@functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
+def _flex_vjp(d_out, d_lse, q, k, v, mask_arrays, captures, **static):
+    """(dq, dk, dv, gradients of the float captures)."""
+    run = _flex_fn(**static)
+    learnable = _learnable(captures)
+
+    def differentiable(q, k, v, floats):
+        floats = iter(floats)
+        merged = [next(floats) if wanted else c for c, wanted in zip(captures, learnable)]
+        return run(q, k, v, mask_arrays, merged)
+
+    floats = [c for c, wanted in zip(captures, learnable) if wanted]
+    dq, dk, dv, d_floats = jax.vjp(differentiable, q, k, v, floats)[1]((d_out, d_lse))
+    return dq, dk, dv, *d_floats
+
+
+def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
+                 enable_gqa, implementation):
+    device = same_device("flex_attention", q=q, k=k, v=v,
+                         **dict(zip(MASK_FIELDS, mask_tensors)),
+                         **{f"captured tensor {i}": t for i, t in enumerate(captures)})
+    return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
+                scale=scale, enable_gqa=enable_gqa,
+                implementation=implementation_for("flex_attention", device, implementation))
+
+
+def _lists(tensors, names):
+    return [to_jax(t, name) for name, t in zip(names, tensors)]
+
+
+def _capture_names(captures):
+    return [f"captured tensor {i}" for i in range(len(captures))]
+
+
+@torch.library.custom_op("jattn::flex_attention", mutates_args=())
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
+                   captures: list[Tensor], mods: str, block_size: list[int],
+                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
+                   implementation: Optional[str]) -> tuple[Tensor, Tensor]:
+    static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
+                          enable_gqa, implementation)
+    out, lse = _flex(*_arrays(q=q, k=k, v=v), _lists(mask_tensors, MASK_FIELDS),
+                     _lists(captures, _capture_names(captures)), **static)
+    return to_torch(out), to_torch(lse)
+
+
+@torch.library.custom_op("jattn::flex_attention_backward", mutates_args=())
+def flex_attention_backward(d_out: Tensor, d_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                            mask_tensors: list[Tensor], captures: list[Tensor], mods: str,
+                            block_size: list[int], seq_lengths: list[int],
+                            scale: Optional[float], enable_gqa: bool,
+                            implementation: Optional[str]) -> list[Tensor]:
+    """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
+    static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
+                          enable_gqa, implementation)
+    grads = _flex_vjp(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v),
+                      _lists(mask_tensors, MASK_FIELDS),
+                      _lists(captures, _capture_names(captures)), **static)
+    return [to_torch(g) for g in grads]
+
+
+@flex_attention.register_fake
+def _flex_fake(q, k, v, mask_tensors, captures, *static):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@flex_attention_backward.register_fake
+def _flex_backward_fake(d_out, d_lse, q, k, v, mask_tensors, captures, *static):
+    return [torch.empty_like(x) for x in (q, k, v, *captures) if x.is_floating_point()]
+
+
+def _flex_setup_context(ctx, inputs, output):
+    q, k, v, mask_tensors, captures, *static = inputs
+    ctx.save_for_backward(q, k, v, *mask_tensors, *captures)
+    ctx.counts = len(mask_tensors), len(captures)
+    ctx.static = static
+
+
+def _flex_autograd(ctx, d_out, d_lse):
+    q, k, v, *rest = ctx.saved_tensors
+    n_masks, n_captures = ctx.counts
+    mask_tensors, captures = rest[:n_masks], rest[n_masks:n_masks + n_captures]
+    if d_lse is None:
+        d_lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
+    if d_out is None:
+        d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, mask_tensors,
+                                                    captures, *ctx.static)
+    d_floats = iter(d_floats)
+    d_captures = [next(d_floats) if c.is_floating_point() else None for c in captures]
+    return (dq, dk, dv, [None] * n_masks, d_captures, None, None, None, None, None, None)
+
+
+flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_context)

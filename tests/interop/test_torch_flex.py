@@ -1,0 +1,205 @@
+"""interop.torch.flex_attention: bitwise equal to jattn (outputs, LSE, autograd gradients),
+agreement with torch's flex_attention on a torch-built BlockMask, opcheck, torch.compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+
+torch = pytest.importorskip("torch")
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+import interop.torch as jt  # noqa: E402
+from interop import _ops  # noqa: E402
+
+B, HQ, HKV, L, E = 2, 4, 2, 200, 32
+
+
+def _qkv(dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(B, HQ, L, E), (B, HKV, L, E), (B, HKV, L, E)]
+    return [torch.randn(s, generator=gen).to(dtype=dtype, device=device).requires_grad_()
+            for s in shapes]
+
+
+def _check_bitwise(dtype, device, implementation):
+    q, k, v = _qkv(dtype, device)
+    score_mod = jattn.mods.alibi(jattn.mods.alibi_slopes(HQ))
+    block_mask = jt.create_block_mask(jattn.masks.sliding_window(90), None, None, L, L,
+                                      block_size=64, device=device)
+    out, lse = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                 return_lse=True)
+    gen = torch.Generator().manual_seed(1)
+    d_out = torch.randn(out.shape, generator=gen).to(out)
+    d_lse = torch.randn(lse.shape, generator=gen).to(lse)
+    torch.autograd.backward((out, lse), (d_out, d_lse))
+
+    jmask = jattn.create_block_mask(jattn.masks.sliding_window(90), None, None, L, L,
+                                    block_size=64)
+
+    def run(q, k, v):
+        return jattn.flex_attention(q, k, v, score_mod, jmask, enable_gqa=True,
+                                    return_lse=True, implementation=implementation)
+
+    arrays = [jax.dlpack.from_dlpack(x.detach()) for x in (q, k, v, d_out, d_lse)]
+    ours = jax.jit(run)(*arrays[:3])
+    grads = jax.jit(lambda q, k, v, do, dl: jax.vjp(run, q, k, v)[1]((do, dl)))(*arrays)
+    for name, tensor, array in (("out", out, ours[0]), ("lse", lse, ours[1])):
+        np.testing.assert_array_equal(tensor.detach().float().cpu().numpy(),
+                                      np.asarray(array, np.float32), err_msg=name)
+    for name, tensor, g in zip("qkv", (q, k, v), grads):
+        np.testing.assert_array_equal(tensor.grad.float().cpu().numpy(),
+                                      np.asarray(g, np.float32), err_msg=f"d{name}")
+
+
+def test_bitwise_equal_to_jattn():
+    _check_bitwise(torch.float32, "cpu", "xla")
+
+
+@pytest.mark.gpu
+def test_bitwise_equal_to_jattn_on_cuda():
+    _check_bitwise(torch.bfloat16, "cuda", "pallas_triton")
+
+
+def test_torch_block_mask_agrees_with_torch_flex_attention():
+    """A BlockMask from torch's own builder (the mod is plain arithmetic, valid for torch and
+    JAX) drives our op; outputs and LSE agree with torch's flex_attention."""
+    q, k, v = (x.detach() for x in _qkv())
+    block_mask = flex.create_block_mask(jattn.masks.causal_mask, None, None, L, L,
+                                        device="cpu", BLOCK_SIZE=64)
+    out, lse = jt.flex_attention(q, k, v, None, block_mask, enable_gqa=True, return_lse=True)
+    expected, expected_lse = flex.flex_attention(q, k, v, block_mask=block_mask,
+                                                 enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    q, k, v = _qkv()
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    lists, block_size = jt._mask_tensors(block_mask, L, L)
+    table = torch.randn(HQ, 9, requires_grad=True)
+    mods = _ops.register_mods(lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9],
+                              jattn.masks.causal_mask)
+    captures = _ops.mod_captures(mods)
+    assert captures == [table]
+    static = (mods, block_size, [L, L], None, True, None)
+    torch.library.opcheck(torch.ops.jattn.flex_attention.default,
+                          (q, k, v, lists, captures, *static))
+    out, lse = torch.ops.jattn.flex_attention(q, k, v, lists, captures, *static)
+    torch.library.opcheck(torch.ops.jattn.flex_attention_backward.default,
+                          (torch.randn_like(out), torch.randn_like(lse), q.detach(),
+                           k.detach(), v.detach(), lists, [table.detach()], *static))
+
+
+def test_compiles_without_graph_breaks():
+    q, k, v = _qkv()
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    score_mod = jattn.mods.softcap(20.0)
+
+    def attend(q, k, v):
+        return torch.relu(jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True))
+
+    out = torch.compile(attend, fullgraph=True)(q, k, v)  # raises on a graph break
+    torch.testing.assert_close(out, attend(q, k, v), rtol=0, atol=0)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_bad_input_raises():
+    q, k, v = (x.detach() for x in _qkv())
+    with pytest.raises(TypeError, match="`block_mask` must be a torch BlockMask"):
+        jt.flex_attention(q, k, v, None, jattn.create_block_mask(jattn.masks.causal_mask,
+                                                                  None, None, L, L))
+    other = jt.create_block_mask(jattn.masks.causal_mask, None, None, 2 * L, L)
+    with pytest.raises(ValueError, match="built for \\(Q_LEN, KV_LEN\\) = \\(400, 200\\)"):
+        jt.flex_attention(q, k, v, None, other, enable_gqa=True)
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        jt.flex_attention(q, k, v)
+    with pytest.raises(TypeError, match="share a dtype"):
+        jt.flex_attention(q, k.to(torch.bfloat16), v, enable_gqa=True)
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        jt.flex_attention(q, k, v, enable_gqa=True, implementation="pallas_triton")
+
+
+# ------------------------------------------------------------------------------------------------
+# torch-written mods
+# ------------------------------------------------------------------------------------------------
+
+SEGMENTS = torch.arange(L) // 37
+SLOPES = torch.exp2(-8.0 * torch.arange(1, HQ + 1) / HQ)
+RADIUS = 30
+
+TORCH_MASKS = {
+    "causal": lambda b, h, q, kv: q >= kv,
+    "sliding": lambda b, h, q, kv: (q >= kv) & (q - kv < 48),
+    "prefix": lambda b, h, q, kv: (kv < 64) | (q >= kv),
+    "document": lambda b, h, q, kv: SEGMENTS[q] == SEGMENTS[kv],
+}
+
+
+def _torch_score_mod(name, table=None):
+    if name == "alibi":
+        return lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q)
+    if name == "softcap":
+        return lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)
+    if name == "relative":
+        return lambda s, b, h, q, kv: s + table[h, torch.clamp(kv - q, -RADIUS, RADIUS) + RADIUS]
+    return None
+
+
+@pytest.mark.parametrize("mask,mod", [("causal", "alibi"), ("sliding", "none"),
+                                      ("prefix", "softcap"), ("document", "relative")])
+def test_torch_written_mods_agree_with_torch_flex_attention(mask, mod):
+    q, k, v = (x.detach() for x in _qkv())
+    table = torch.randn(HQ, 2 * RADIUS + 1)
+    score_mod = _torch_score_mod(mod, table)
+    ours_mask = jt.create_block_mask(TORCH_MASKS[mask], None, None, L, L, block_size=64)
+    torch_mask = flex.create_block_mask(TORCH_MASKS[mask], None, None, L, L, device="cpu",
+                                        BLOCK_SIZE=64)
+    out, lse = jt.flex_attention(q, k, v, score_mod, ours_mask, enable_gqa=True,
+                                 return_lse=True)
+    expected, expected_lse = flex.flex_attention(q, k, v, score_mod, torch_mask,
+                                                 enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_captured_table_gets_the_gradient_jattn_gives():
+    """A torch-written relative bias reading a learnable table: torch autograd's gradient for
+    the table equals JAX's for the same table through jattn.mods.relative_position_bias."""
+    q, k, v = _qkv()
+    table = torch.randn(HQ, 2 * RADIUS + 1, requires_grad=True)
+    block_mask = jt.create_block_mask(TORCH_MASKS["causal"], None, None, L, L)
+    out = jt.flex_attention(q, k, v, _torch_score_mod("relative", table), block_mask,
+                            enable_gqa=True)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(d_out)
+
+    jmask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+
+    def run(q, k, v, table):
+        return jattn.flex_attention(q, k, v, jattn.mods.relative_position_bias(table), jmask,
+                                    enable_gqa=True, implementation="xla")
+
+    arrays = [jnp.asarray(x.detach().numpy()) for x in (q, k, v, table)]
+    grads = jax.vjp(run, *arrays)[1](jnp.asarray(d_out.numpy()))
+    for name, tensor, g in zip(("q", "k", "v", "table"), (q, k, v, table), grads):
+        np.testing.assert_allclose(tensor.grad.numpy(), np.asarray(g), rtol=1e-5, atol=1e-5,
+                                   err_msg=name)
+
+
+def test_untranslatable_op_names_the_op():
+    q, k, v = (x.detach() for x in _qkv())
+    with pytest.raises(NotImplementedError, match="score_mod uses aten.erf.default"):
+        jt.flex_attention(q, k, v, lambda s, b, h, qi, ki: torch.erf(s), enable_gqa=True)
+
+
+def test_a_lambda_recreated_per_call_is_translated_once():
+    table = torch.randn(HQ, 3)
+    keys = {_ops.register_mods(lambda s, b, h, qi, ki: s + table[h, qi % 3], None)
+            for _ in range(3)}
+    assert len(keys) == 1
+    other = torch.randn(HQ, 3)
+    assert _ops.register_mods(lambda s, b, h, qi, ki: s + other[h, qi % 3], None) not in keys
