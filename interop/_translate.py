@@ -25,10 +25,6 @@ _DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16, torch.bfloat1
            torch.bool: jnp.bool_}
 
 
-def _floor_div(a, b):
-    return jnp.floor_divide(a, b)
-
-
 def _div_mode(a, b, rounding_mode=None):
     if rounding_mode == "floor":
         return jnp.floor_divide(a, b)
@@ -67,7 +63,8 @@ _OPS: dict = {
     aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
     aten.div.Tensor: jnp.true_divide, aten.div.Scalar: jnp.true_divide,
     aten.div.Tensor_mode: _div_mode, aten.div.Scalar_mode: _div_mode,
-    aten.floor_divide.default: _floor_div, aten.floor_divide.Scalar: _floor_div,
+    aten.floor_divide.default: jnp.floor_divide,
+    aten.floor_divide.Scalar: jnp.floor_divide,
     aten.remainder.Tensor: jnp.remainder, aten.remainder.Scalar: jnp.remainder,
     aten.neg.default: jnp.negative, aten.abs.default: jnp.abs, aten.sign.default: jnp.sign,
     aten.exp.default: jnp.exp, aten.exp2.default: jnp.exp2, aten.log.default: jnp.log,
