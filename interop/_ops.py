@@ -19,6 +19,7 @@ from torch import Tensor
 import jattn
 from interop._dlpack import same_device, to_jax, to_torch
 from interop._translate import TranslatedMod, is_torch_mod, translate
+from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
 
 # ------------------------------------------------------------------------------------------------
 # Implementation choice from the tensors' device
@@ -192,47 +193,39 @@ def _jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
                            mask_mod=mask_mod)
 
 
-def _flex_fn(mods, block_size, seq_lengths, scale, enable_gqa, implementation):
-    """flex_attention(q, k, v, mask_arrays, capture_arrays) -> (out, lse) for static options."""
+def _flex_call(fn, mods, block_size, seq_lengths, scale, enable_gqa, implementation):
+    """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists and the
+    capture arrays: `fn` is jattn's flex_attention or its backward."""
     score, mask = _MODS[mods]
     n_score = 0 if score is None else len(score.captures)
 
-    def run(q, k, v, mask_arrays, captures):
-        score_mod = None if score is None else score.bind(captures[:n_score])
-        mask_mod = None if mask is None else mask.bind(captures[n_score:])
+    def call(q, k, v, *rest, mask_arrays, capture_arrays, **kwargs):
+        score_mod = None if score is None else score.bind(capture_arrays[:n_score])
+        mask_mod = None if mask is None else mask.bind(capture_arrays[n_score:])
         block_mask = _jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
-        return jattn.flex_attention(q, k, v, score_mod, block_mask, scale=scale,
-                                    enable_gqa=enable_gqa, return_lse=True,
-                                    implementation=implementation)
-    return run
+        return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
+                  implementation=implementation, **kwargs)
+    return call
 
 
 _FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation")
 
 
-def _learnable(captures) -> list[bool]:
-    return [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
-
-
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
 def _flex(q, k, v, mask_arrays, captures, **static):
-    return _flex_fn(**static)(q, k, v, mask_arrays, captures)
+    return _flex_call(jattn.flex_attention, **static)(
+        q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=True)
 
 
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
-def _flex_vjp(d_out, d_lse, q, k, v, mask_arrays, captures, **static):
-    """(dq, dk, dv, gradients of the float captures)."""
-    run = _flex_fn(**static)
-    learnable = _learnable(captures)
-
-    def differentiable(q, k, v, floats):
-        floats = iter(floats)
-        merged = [next(floats) if wanted else c for c, wanted in zip(captures, learnable)]
-        return run(q, k, v, mask_arrays, merged)
-
-    floats = [c for c, wanted in zip(captures, learnable) if wanted]
-    dq, dk, dv, d_floats = jax.vjp(differentiable, q, k, v, floats)[1]((d_out, d_lse))
-    return dq, dk, dv, *d_floats
+def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **static):
+    """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse."""
+    dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, **static)(
+        q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
+        captures=captures)
+    learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
+    return dq, dk, dv, *(jnp.zeros_like(c) if d is None else d
+                         for c, d, wanted in zip(captures, d_captures, learnable) if wanted)
 
 
 def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
@@ -267,16 +260,17 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
 
 @torch.library.custom_op("jattn::flex_attention_backward", mutates_args=())
 def flex_attention_backward(d_out: Tensor, d_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                            mask_tensors: list[Tensor], captures: list[Tensor], mods: str,
+                            out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
+                            captures: list[Tensor], mods: str,
                             block_size: list[int], seq_lengths: list[int],
                             scale: Optional[float], enable_gqa: bool,
                             implementation: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
-    grads = _flex_vjp(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v),
-                      _lists(mask_tensors, MASK_FIELDS),
-                      _lists(captures, _capture_names(captures)), **static)
+    grads = _flex_backward(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v, out=out, lse=lse),
+                           _lists(mask_tensors, MASK_FIELDS),
+                           _lists(captures, _capture_names(captures)), **static)
     return [to_torch(g) for g in grads]
 
 
@@ -287,27 +281,27 @@ def _flex_fake(q, k, v, mask_tensors, captures, *static):
 
 
 @flex_attention_backward.register_fake
-def _flex_backward_fake(d_out, d_lse, q, k, v, mask_tensors, captures, *static):
+def _flex_backward_fake(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, *static):
     return [torch.empty_like(x) for x in (q, k, v, *captures) if x.is_floating_point()]
 
 
 def _flex_setup_context(ctx, inputs, output):
     q, k, v, mask_tensors, captures, *static = inputs
-    ctx.save_for_backward(q, k, v, *mask_tensors, *captures)
+    ctx.save_for_backward(q, k, v, *output, *mask_tensors, *captures)
     ctx.counts = len(mask_tensors), len(captures)
     ctx.static = static
 
 
 def _flex_autograd(ctx, d_out, d_lse):
-    q, k, v, *rest = ctx.saved_tensors
+    q, k, v, out, lse, *rest = ctx.saved_tensors
     n_masks, n_captures = ctx.counts
     mask_tensors, captures = rest[:n_masks], rest[n_masks:n_masks + n_captures]
     if d_lse is None:
         d_lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
     if d_out is None:
         d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, mask_tensors,
-                                                    captures, *ctx.static)
+    dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, out, lse,
+                                                    mask_tensors, captures, *ctx.static)
     d_floats = iter(d_floats)
     d_captures = [next(d_floats) if c.is_floating_point() else None for c in captures]
     return (dq, dk, dv, [None] * n_masks, d_captures, None, None, None, None, None, None)

@@ -160,7 +160,7 @@ def is_torch_mod(mod: Callable, kind: str) -> bool:
     """Whether `mod` runs on torch tensors (a JAX mod such as `jattn.mods.softcap` does not)."""
     try:
         with torch.no_grad():
-            mod(*_example_args(kind))
+            out = mod(*_example_args(kind))
     except Exception:  # noqa: BLE001  (any failure on torch tensors means "not a torch mod")
         return False
-    return True
+    return isinstance(out, torch.Tensor)  # jnp functions may accept tensors but return arrays

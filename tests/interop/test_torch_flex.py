@@ -90,7 +90,8 @@ def test_opcheck():
     out, lse = torch.ops.jattn.flex_attention(q, k, v, lists, captures, *static)
     torch.library.opcheck(torch.ops.jattn.flex_attention_backward.default,
                           (torch.randn_like(out), torch.randn_like(lse), q.detach(),
-                           k.detach(), v.detach(), lists, [table.detach()], *static))
+                           k.detach(), v.detach(), out.detach(), lse.detach(), lists,
+                           [table.detach()], *static))
 
 
 def test_compiles_without_graph_breaks():

@@ -246,6 +246,34 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       score_mod and (through its cotangent) the LSE.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    problem, masks, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
+                                                     enable_gqa, config, implementation)
+    out, lse = _flex(problem, q, k, v, masks, score_caps, mask_caps)
+    return (out, lse) if return_lse else out
+
+
+def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
+                            captures=(), scale=None, enable_gqa=False, config=None,
+                            implementation=None):
+    """Gradients of `flex_attention(q, k, v, score_mod, block_mask, return_lse=True)` from its
+    saved outputs (out, lse) and their cotangents, without running the forward again — the same
+    backward `jax.vjp` runs. (For the torch ops, whose autograd keeps out and lse.)
+
+    Returns (dq, dk, dv, d_captures): d_captures holds, for each array of `captures`, its
+    gradient if score_mod closes over it and it is floating point, else None.
+    """
+    problem, masks, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
+                                                     enable_gqa, config, implementation)
+    differentiated = tuple(jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps)
+    residuals = (q, k, v, masks, score_caps, mask_caps, out, lse, differentiated)
+    dq, dk, dv, _, d_score_caps, _ = _flex_bwd(problem, residuals, (d_out, d_lse))
+    by_id = {id(c): d for c, d in zip(score_caps, d_score_caps)}
+    return dq, dk, dv, [by_id.get(id(c)) for c in captures]
+
+
+def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation):
+    """Validation, mods traced per implementation tile: (Problem, mask arrays, score_mod's and
+    mask_mod's captured arrays)."""
     _check_inputs(q, k, v, enable_gqa)
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     if score_mod is not None and not callable(score_mod):
@@ -281,6 +309,5 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                       mask_block=block_mask.block_size, scale=scale,
                       implementation=implementation, config=resolved, fwd=fwd_mods,
                       bwd=bwd_mods, dkdv=dkdv_mods, xla=xla_mods)
-    out, lse = _flex(problem, q, k, v, _mask_arrays(implementation, block_mask),
-                     tuple(score_set.captures), tuple(mask_set.captures))
-    return (out, lse) if return_lse else out
+    return (problem, _mask_arrays(implementation, block_mask), tuple(score_set.captures),
+            tuple(mask_set.captures))
