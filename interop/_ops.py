@@ -75,34 +75,10 @@ def _run_gemm_backward(kind: str, grad: Tensor, a: Tensor, b: Tensor, bias: Opti
     return [to_torch(g) for g in grads if g is not None]
 
 
-@torch.library.custom_op("jattn::matmul", mutates_args=())
-def matmul(a: Tensor, b: Tensor, bias: Optional[Tensor], implementation: Optional[str]) -> Tensor:
-    return _run_gemm("matmul", a, b, bias, implementation)
-
-
-@torch.library.custom_op("jattn::matmul_backward", mutates_args=())
-def matmul_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
-                    implementation: Optional[str]) -> list[Tensor]:
-    return _run_gemm_backward("matmul", grad, a, b, bias, implementation)
-
-
-@torch.library.custom_op("jattn::bmm", mutates_args=())
-def bmm(a: Tensor, b: Tensor, bias: Optional[Tensor], implementation: Optional[str]) -> Tensor:
-    return _run_gemm("bmm", a, b, bias, implementation)
-
-
-@torch.library.custom_op("jattn::bmm_backward", mutates_args=())
-def bmm_backward(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
-                 implementation: Optional[str]) -> list[Tensor]:
-    return _run_gemm_backward("bmm", grad, a, b, bias, implementation)
-
-
-@matmul.register_fake
 def _matmul_fake(a, b, bias, implementation):
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
 
-@bmm.register_fake
 def _bmm_fake(a, b, bias, implementation):
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return a.new_empty((*batch, a.shape[-2], b.shape[-1]))
@@ -112,26 +88,37 @@ def _gemm_backward_fake(grad, a, b, bias, implementation):
     return [torch.empty_like(x) for x in (a, b, bias) if x is not None]
 
 
-matmul_backward.register_fake(_gemm_backward_fake)
-bmm_backward.register_fake(_gemm_backward_fake)
-
-
 def _gemm_setup_context(ctx, inputs, output):
     a, b, bias, implementation = inputs
     ctx.save_for_backward(a, b, bias)
     ctx.implementation = implementation
 
 
-def _gemm_autograd(backward_op):
+def _register_gemm(kind: str, fake):
+    """jattn::<kind> and jattn::<kind>_backward, with their fake and autograd registrations."""
+
+    @torch.library.custom_op(f"jattn::{kind}", mutates_args=())
+    def op(a: Tensor, b: Tensor, bias: Optional[Tensor], implementation: Optional[str]) -> Tensor:
+        return _run_gemm(kind, a, b, bias, implementation)
+
+    @torch.library.custom_op(f"jattn::{kind}_backward", mutates_args=())
+    def backward_op(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
+                    implementation: Optional[str]) -> list[Tensor]:
+        return _run_gemm_backward(kind, grad, a, b, bias, implementation)
+
     def backward(ctx, grad):
         a, b, bias = ctx.saved_tensors
         grads = backward_op(grad, a, b, bias, ctx.implementation)
         return grads[0], grads[1], grads[2] if bias is not None else None, None
-    return backward
+
+    op.register_fake(fake)
+    backward_op.register_fake(_gemm_backward_fake)
+    op.register_autograd(backward, setup_context=_gemm_setup_context)
+    return op, backward_op
 
 
-matmul.register_autograd(_gemm_autograd(matmul_backward), setup_context=_gemm_setup_context)
-bmm.register_autograd(_gemm_autograd(bmm_backward), setup_context=_gemm_setup_context)
+matmul, matmul_backward = _register_gemm("matmul", _matmul_fake)
+bmm, bmm_backward = _register_gemm("bmm", _bmm_fake)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +131,7 @@ _MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
 _MOD_OBJECTS: dict[str, tuple] = {}  # the mods themselves: keeps the ids in each key alive
 
 
-def _as_jax_mod(mod, kind: str) -> TranslatedMod | None:
+def as_jax_mod(mod, kind: str) -> TranslatedMod | None:
     """torch-written mods are translated (their captured tensors become op inputs); JAX mods
     are used as they are (arrays they close over stay JAX constants)."""
     if mod is None:
@@ -169,7 +156,7 @@ def register_mods(score_mod, mask_mod) -> str:
     """The op key for a (score_mod, mask_mod) pair, each torch-written, JAX or None."""
     key = f"score:{_identity(score_mod)}/mask:{_identity(mask_mod)}"
     if key not in _MODS:
-        _MODS[key] = (_as_jax_mod(score_mod, "score"), _as_jax_mod(mask_mod, "mask"))
+        _MODS[key] = (as_jax_mod(score_mod, "score"), as_jax_mod(mask_mod, "mask"))
         _MOD_OBJECTS[key] = (score_mod, mask_mod)
     return key
 
@@ -228,22 +215,21 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
                          for c, d, wanted in zip(captures, d_captures, learnable) if wanted)
 
 
+def _named_masks(mask_tensors) -> dict[str, Tensor]:
+    return dict(zip(MASK_FIELDS, mask_tensors))
+
+
+def _named_captures(captures) -> dict[str, Tensor]:
+    return {f"captured tensor {i}": t for i, t in enumerate(captures)}
+
+
 def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                  enable_gqa, implementation):
-    device = same_device("flex_attention", q=q, k=k, v=v,
-                         **dict(zip(MASK_FIELDS, mask_tensors)),
-                         **{f"captured tensor {i}": t for i, t in enumerate(captures)})
+    device = same_device("flex_attention", q=q, k=k, v=v, **_named_masks(mask_tensors),
+                         **_named_captures(captures))
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
                 implementation=implementation_for("flex_attention", device, implementation))
-
-
-def _lists(tensors, names):
-    return [to_jax(t, name) for name, t in zip(names, tensors)]
-
-
-def _capture_names(captures):
-    return [f"captured tensor {i}" for i in range(len(captures))]
 
 
 @torch.library.custom_op("jattn::flex_attention", mutates_args=())
@@ -253,8 +239,8 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
                    implementation: Optional[str]) -> tuple[Tensor, Tensor]:
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
-    out, lse = _flex(*_arrays(q=q, k=k, v=v), _lists(mask_tensors, MASK_FIELDS),
-                     _lists(captures, _capture_names(captures)), **static)
+    out, lse = _flex(*_arrays(q=q, k=k, v=v), _arrays(**_named_masks(mask_tensors)),
+                     _arrays(**_named_captures(captures)), **static)
     return to_torch(out), to_torch(lse)
 
 
@@ -269,8 +255,8 @@ def flex_attention_backward(d_out: Tensor, d_lse: Tensor, q: Tensor, k: Tensor, 
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
     grads = _flex_backward(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v, out=out, lse=lse),
-                           _lists(mask_tensors, MASK_FIELDS),
-                           _lists(captures, _capture_names(captures)), **static)
+                           _arrays(**_named_masks(mask_tensors)),
+                           _arrays(**_named_captures(captures)), **static)
     return [to_torch(g) for g in grads]
 
 

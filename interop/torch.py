@@ -13,7 +13,6 @@ import torch
 
 import jattn
 from interop import _dlpack, _ops  # _ops registers torch.ops.jattn.*
-from interop._translate import is_torch_mod, translate
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -92,11 +91,9 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
 
     device = torch.device(device)
     platform = "cuda" if device.type == "cuda" else "cpu"
-    jax_mask_mod = mask_mod
-    if is_torch_mod(mask_mod, "mask"):
-        translated = translate(mask_mod, "mask")
-        jax_mask_mod = translated.bind([_dlpack.to_jax(t.to(device), "captured tensor")
-                                        for t in translated.captures])
+    translated = _ops.as_jax_mod(mask_mod, "mask") if callable(mask_mod) else None
+    jax_mask_mod = mask_mod if translated is None else translated.bind(
+        [_dlpack.to_jax(t.to(device), "captured tensor") for t in translated.captures])
     with jax.default_device(jax.devices(platform)[device.index or 0]):
         mask = jattn.create_block_mask(jax_mask_mod, B, H, Q_LEN, KV_LEN, block_size=block_size)
     lists = [None if x is None else _dlpack.to_torch(x) for x in (

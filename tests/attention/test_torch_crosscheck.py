@@ -10,6 +10,7 @@ import jattn
 
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
+from tests.torch_mods import torch_mask, torch_score_mod  # noqa: E402
 
 B, H, L, S, E = 1, 4, 160, 224, 32
 RADIUS = 40
@@ -22,28 +23,6 @@ JATTN_MASKS = {
     "prefix": jattn.masks.prefix_lm(64),
     "document": jattn.masks.document_mask(jnp.asarray(SEGMENTS, jnp.int32)),
 }
-
-
-def _torch_mask(name, device):
-    if name == "causal":
-        return lambda b, h, q, kv: q >= kv
-    if name == "sliding":
-        return lambda b, h, q, kv: (q >= kv) & (q - kv < 48)
-    if name == "prefix":
-        return lambda b, h, q, kv: (kv < 64) | (q >= kv)
-    segments = torch.tensor(SEGMENTS, device=device)
-    return lambda b, h, q, kv: segments[q] == segments[kv]
-
-
-def _torch_mod(name, table, device):
-    if name == "alibi":
-        slopes = torch.tensor(SLOPES, device=device)
-        return lambda s, b, h, q, kv: s + slopes[h] * (kv - q)
-    if name == "softcap":
-        return lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)
-    if name == "relative":
-        return lambda s, b, h, q, kv: s + table[h, torch.clamp(kv - q, -RADIUS, RADIUS) + RADIUS]
-    return None
 
 
 def _jattn_mod(name, table):
@@ -67,8 +46,10 @@ def _compare(mask, mod, device, grads):
     # torch, float64 eager
     tq, tk, tv, ttable = (torch.tensor(x, device=device, requires_grad=grads)
                           for x in (q, k, v, table))
-    t_mask = flex.create_block_mask(_torch_mask(mask, device), None, None, L, S, device=device)
-    t_out, t_lse = flex.flex_attention(tq, tk, tv, score_mod=_torch_mod(mod, ttable, device),
+    t_mask = flex.create_block_mask(torch_mask(mask, torch.tensor(SEGMENTS, device=device)),
+                                    None, None, L, S, device=device)
+    score_mod = torch_score_mod(mod, torch.tensor(SLOPES, device=device), ttable, RADIUS)
+    t_out, t_lse = flex.flex_attention(tq, tk, tv, score_mod=score_mod,
                                        block_mask=t_mask, return_lse=True)
 
     # jattn, float32 through the XLA implementation on the CPU (exact f32 dots)

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import interop.torch as jt  # noqa: E402
 from interop import _ops  # noqa: E402
+from tests.torch_mods import torch_mask, torch_score_mod  # noqa: E402
 
 B, HQ, HKV, L, E = 2, 4, 2, 200, 32
 
@@ -132,36 +133,19 @@ SEGMENTS = torch.arange(L) // 37
 SLOPES = torch.exp2(-8.0 * torch.arange(1, HQ + 1) / HQ)
 RADIUS = 30
 
-TORCH_MASKS = {
-    "causal": lambda b, h, q, kv: q >= kv,
-    "sliding": lambda b, h, q, kv: (q >= kv) & (q - kv < 48),
-    "prefix": lambda b, h, q, kv: (kv < 64) | (q >= kv),
-    "document": lambda b, h, q, kv: SEGMENTS[q] == SEGMENTS[kv],
-}
-
-
-def _torch_score_mod(name, table=None):
-    if name == "alibi":
-        return lambda s, b, h, q, kv: s + SLOPES[h] * (kv - q)
-    if name == "softcap":
-        return lambda s, b, h, q, kv: 20.0 * torch.tanh(s / 20.0)
-    if name == "relative":
-        return lambda s, b, h, q, kv: s + table[h, torch.clamp(kv - q, -RADIUS, RADIUS) + RADIUS]
-    return None
-
-
 @pytest.mark.parametrize("mask,mod", [("causal", "alibi"), ("sliding", "none"),
                                       ("prefix", "softcap"), ("document", "relative")])
 def test_torch_written_mods_agree_with_torch_flex_attention(mask, mod):
     q, k, v = (x.detach() for x in _qkv())
     table = torch.randn(HQ, 2 * RADIUS + 1)
-    score_mod = _torch_score_mod(mod, table)
-    ours_mask = jt.create_block_mask(TORCH_MASKS[mask], None, None, L, L, block_size=64)
-    torch_mask = flex.create_block_mask(TORCH_MASKS[mask], None, None, L, L, device="cpu",
-                                        BLOCK_SIZE=64)
+    score_mod = torch_score_mod(mod, SLOPES, table, RADIUS)
+    ours_mask = jt.create_block_mask(torch_mask(mask, SEGMENTS), None, None, L, L,
+                                     block_size=64)
+    torch_block_mask = flex.create_block_mask(torch_mask(mask, SEGMENTS), None, None, L, L,
+                                              device="cpu", BLOCK_SIZE=64)
     out, lse = jt.flex_attention(q, k, v, score_mod, ours_mask, enable_gqa=True,
                                  return_lse=True)
-    expected, expected_lse = flex.flex_attention(q, k, v, score_mod, torch_mask,
+    expected, expected_lse = flex.flex_attention(q, k, v, score_mod, torch_block_mask,
                                                  enable_gqa=True, return_lse=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
@@ -172,9 +156,9 @@ def test_captured_table_gets_the_gradient_jattn_gives():
     the table equals JAX's for the same table through jattn.mods.relative_position_bias."""
     q, k, v = _qkv()
     table = torch.randn(HQ, 2 * RADIUS + 1, requires_grad=True)
-    block_mask = jt.create_block_mask(TORCH_MASKS["causal"], None, None, L, L)
-    out = jt.flex_attention(q, k, v, _torch_score_mod("relative", table), block_mask,
-                            enable_gqa=True)
+    block_mask = jt.create_block_mask(torch_mask("causal", SEGMENTS), None, None, L, L)
+    out = jt.flex_attention(q, k, v, torch_score_mod("relative", SLOPES, table, RADIUS),
+                            block_mask, enable_gqa=True)
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     out.backward(d_out)
 
