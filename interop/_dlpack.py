@@ -6,18 +6,37 @@ explicit: a non-contiguous tensor is made contiguous first (one copy), int64 bec
 JAX runs with x64 enabled (one copy; JAX's default integer is 32-bit), and the CPU backend copies
 a tensor whose address is not aligned to XLA's requirement (e.g. a view at an odd offset).
 
-Streams on the GPU: JAX's `from_dlpack` passes its stream to the tensor's `__dlpack__`, so our
-kernels start after the work already queued on torch's current stream; `torch.from_dlpack` passes
-torch's current stream to the array's `__dlpack__`, so later torch work waits for our result.
-Each JAX array keeps its DLPack capsule, hence the torch storage, alive until JAX is done with it.
+Streams on the GPU (measured on the H100, jax 0.11): JAX's runtime runs kernels on its own
+streams and ignores the stream a DLPack import names, so a GPU-side wait cannot order our kernel
+after torch's work (tested: the stream JAX reports for external events does not order its
+kernels). `wait_for_torch` therefore has the host wait, once per op call, for the work already
+queued on torch's current stream; `jax.dlpack.from_dlpack` does the same per tensor, at about
+50 us each. Results cross back ordered on torch's current stream, so later torch work waits on
+the GPU for our kernel. A JAX view keeps its DLPack capsule, hence the torch storage, alive until
+JAX is done with it.
+
+Views are cached per tensor object (while it lives, at the same address and shape): a weight, a
+BlockMask list or a captured table crosses once, not on every call.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import jax
 import jax.dlpack
 import jax.numpy as jnp
 import torch
+import torch.utils.dlpack
+
+try:  # the call `jax.dlpack.from_dlpack` wraps, without its per-tensor host synchronisation
+    from jax._src.lib import _jax as _jaxlib
+    _import_capsule = _jaxlib.dlpack_managed_tensor_to_buffer
+    _export_capsule = _jaxlib.buffer_to_dlpack_managed_tensor
+except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts: public path
+    _import_capsule = _export_capsule = None
+
+_DL_CUDA = 2  # DLDeviceType kDLCUDA
 
 # torch dtype -> JAX dtype, for every dtype that crosses.
 DTYPES = {
@@ -31,11 +50,34 @@ DTYPES = {
     torch.float8_e5m2: jnp.float8_e5m2,
 }
 
+# id(tensor) -> ((address, shape, dtype), view); an entry leaves when its tensor dies. (Not a
+# WeakKeyDictionary: its key comparisons would call torch's elementwise ==.)
+_VIEWS: dict[int, tuple] = {}
+
+
+def _jax_gpu(index: int) -> jax.Device:
+    for device in jax.local_devices(backend="gpu"):
+        if device.local_hardware_id == index:
+            return device
+    raise ValueError(f"JAX sees no GPU with CUDA index {index}.")
+
+
+def _import(tensor: torch.Tensor) -> jax.Array:
+    if tensor.device.type != "cuda" or _import_capsule is None:
+        return jax.dlpack.from_dlpack(tensor)
+    capsule = torch.utils.dlpack.to_dlpack(tensor)
+    device = _jax_gpu(tensor.device.index or 0)
+    try:
+        return _import_capsule(capsule, device, None, None, _DL_CUDA)
+    except TypeError:  # jaxlib without the device-type argument
+        return _import_capsule(capsule, device, None, None)
+
 
 def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     """A JAX array on the same device and memory as `tensor` (detached from autograd).
 
-    name: the argument's name, for errors.
+    name: the argument's name, for errors. On CUDA, call `wait_for_torch` once before the
+    computation that reads the arrays.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
@@ -44,15 +86,38 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"`{name}` is on {tensor.device}; jattn runs on CPU and CUDA tensors.")
-    tensor = tensor.detach()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()  # the one documented copy
-    return jax.dlpack.from_dlpack(tensor)
+    where = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+    cached = _VIEWS.get(id(tensor))
+    if cached is not None and cached[0] == where:
+        return cached[1]
+    source = tensor.detach()
+    if not source.is_contiguous():
+        source = source.contiguous()  # the one documented copy
+    array = _import(source)
+    if array.dtype != jax.dtypes.canonicalize_dtype(array.dtype):
+        array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64
+    if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
+        if id(tensor) not in _VIEWS:
+            weakref.finalize(tensor, _VIEWS.pop, id(tensor), None)
+        _VIEWS[id(tensor)] = (where, array)
+    return array
+
+
+def wait_for_torch(device: torch.device) -> None:
+    """Before JAX reads CUDA tensors: the host waits for the work queued on torch's current
+    stream (see the module docstring for why not a GPU-side wait)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
-    """A torch tensor on the same device and memory as `array`."""
-    return torch.from_dlpack(array)
+    """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
+    on torch's current stream waits for the computation that produces it."""
+    device = next(iter(array.devices()))
+    if device.platform != "gpu" or _export_capsule is None:
+        return torch.from_dlpack(array)
+    stream = torch.cuda.current_stream(device.local_hardware_id).cuda_stream
+    return torch.utils.dlpack.from_dlpack(_export_capsule(array, stream=stream))
 
 
 def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 import jattn
-from interop._dlpack import same_device, to_jax, to_torch
+from interop._dlpack import same_device, to_jax, to_torch, wait_for_torch
 from interop._translate import TranslatedMod, is_torch_mod, translate
 from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
 
@@ -35,6 +35,13 @@ def implementation_for(fn: str, device: torch.device, implementation: Optional[s
         raise ValueError(f"{fn}: implementation='pallas_triton' runs on CUDA tensors, got tensors "
                          f"on {device}; move them with .cuda() or use 'xla'.")
     return implementation
+
+
+def _ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
+    """The one device of the op's tensors, once torch's work queued there is done."""
+    device = same_device(fn, **tensors)
+    wait_for_torch(device)
+    return device
 
 
 def _arrays(**tensors: Tensor | None) -> list[jax.Array | None]:
@@ -62,14 +69,14 @@ def _gemm_vjp(grad, a, b, bias, *, kind: str, implementation: str):
 
 def _run_gemm(kind: str, a: Tensor, b: Tensor, bias: Optional[Tensor],
               implementation: Optional[str]) -> Tensor:
-    device = same_device(kind, a=a, b=b, bias=bias)
+    device = _ready_device(kind, a=a, b=b, bias=bias)
     impl = implementation_for(kind, device, implementation)
     return to_torch(_gemm(*_arrays(a=a, b=b, bias=bias), kind=kind, implementation=impl))
 
 
 def _run_gemm_backward(kind: str, grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
                        implementation: Optional[str]) -> list[Tensor]:
-    device = same_device(kind, grad=grad, a=a, b=b, bias=bias)
+    device = _ready_device(kind, grad=grad, a=a, b=b, bias=bias)
     impl = implementation_for(kind, device, implementation)
     grads = _gemm_vjp(*_arrays(grad=grad, a=a, b=b, bias=bias), kind=kind, implementation=impl)
     return [to_torch(g) for g in grads if g is not None]
@@ -225,8 +232,9 @@ def _named_captures(captures) -> dict[str, Tensor]:
 
 def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                  enable_gqa, implementation):
-    device = same_device("flex_attention", q=q, k=k, v=v, **_named_masks(mask_tensors),
-                         **_named_captures(captures))
+    """The static jit arguments of a flex op call, once torch's work on the device is done."""
+    device = _ready_device("flex_attention", q=q, k=k, v=v, **_named_masks(mask_tensors),
+                           **_named_captures(captures))
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
                 implementation=implementation_for("flex_attention", device, implementation))

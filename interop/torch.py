@@ -92,8 +92,10 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     device = torch.device(device)
     platform = "cuda" if device.type == "cuda" else "cpu"
     translated = _ops.as_jax_mod(mask_mod, "mask") if callable(mask_mod) else None
+    captured = [] if translated is None else [t.to(device) for t in translated.captures]
+    _dlpack.wait_for_torch(device)
     jax_mask_mod = mask_mod if translated is None else translated.bind(
-        [_dlpack.to_jax(t.to(device), "captured tensor") for t in translated.captures])
+        [_dlpack.to_jax(t, "captured tensor") for t in captured])
     with jax.default_device(jax.devices(platform)[device.index or 0]):
         mask = jattn.create_block_mask(jax_mask_mod, B, H, Q_LEN, KV_LEN, block_size=block_size)
     lists = [None if x is None else _dlpack.to_torch(x) for x in (

@@ -42,6 +42,30 @@ def test_non_contiguous_is_copied_once_and_correct():
     np.testing.assert_array_equal(np.asarray(array), tensor.numpy())
 
 
+def test_views_are_cached_per_tensor_and_see_in_place_updates():
+    tensor = torch.zeros(64)
+    first = _dlpack.to_jax(tensor, "w")
+    assert _dlpack.to_jax(tensor, "w") is first  # the second crossing is free
+    total = jax.jit(lambda x: x.sum())
+    tensor.add_(1.0)  # e.g. an optimizer step: the cached view shares the memory
+    assert float(total(_dlpack.to_jax(tensor, "w"))) == 64.0
+    tensor.resize_(32)  # new shape: a new view
+    resized = _dlpack.to_jax(tensor, "w")
+    assert resized is not first and resized.shape == (32,)
+    key = id(tensor)
+    del tensor
+    assert key not in _dlpack._VIEWS  # the entry dies with its tensor
+
+
+def test_copies_are_not_cached():
+    tensor = torch.randn(8, 6).t()
+    copied = _dlpack.to_jax(tensor, "x")
+    tensor.mul_(2.0)
+    again = _dlpack.to_jax(tensor, "x")
+    assert again is not copied
+    np.testing.assert_array_equal(np.asarray(again), tensor.numpy())
+
+
 def test_bad_tensors_raise():
     with pytest.raises(TypeError, match="`q` has dtype torch.float64; supported: bfloat16"):
         _dlpack.to_jax(torch.zeros(4, dtype=torch.float64), "q")

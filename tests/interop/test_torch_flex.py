@@ -63,6 +63,24 @@ def test_bitwise_equal_to_jattn_on_cuda():
     _check_bitwise(torch.bfloat16, "cuda", "pallas_triton")
 
 
+@pytest.mark.gpu
+def test_ordered_with_torch_work_on_a_side_stream():
+    """q/k/v written by torch kernels queued behind a GPU sleep on a non-default stream just
+    before the op are read after they finish; torch work after the op sees its output."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        q = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+        v = torch.zeros(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+        jt.flex_attention(q, q, v)  # compiled now, so the call below is not slower
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the producers run
+        q.fill_(0.5)
+        v.fill_(2.0)
+        out = jt.flex_attention(q, q, v)
+        doubled = out * 2  # consumer on the same stream
+    torch.cuda.synchronize()
+    assert torch.all(out == 2.0) and torch.all(doubled == 4.0)
+
+
 def test_torch_block_mask_agrees_with_torch_flex_attention():
     """A BlockMask from torch's own builder (the mod is plain arithmetic, valid for torch and
     JAX) drives our op; outputs and LSE agree with torch's flex_attention."""

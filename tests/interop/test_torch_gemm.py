@@ -108,6 +108,7 @@ def test_ordered_with_torch_work_on_a_side_stream():
     with torch.cuda.stream(stream):
         a = torch.zeros(n, n, device="cuda", dtype=torch.bfloat16)
         b = torch.zeros(n, n, device="cuda", dtype=torch.bfloat16)
+        jt.matmul(a, b)  # compiled now, so the call below is not slower than the sleep
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the producers run
         a.fill_(1.0)
         b.fill_(0.5)
