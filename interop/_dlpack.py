@@ -79,6 +79,9 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     name: the argument's name, for errors. On CUDA, call `wait_for_torch` once before the
     computation that reads the arrays.
     """
+    cached = _VIEWS.get(id(tensor))
+    if cached is not None and cached[0] == (tensor.data_ptr(), tensor.shape, tensor.dtype):
+        return cached[1]  # validated when cached
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.dtype not in DTYPES:
@@ -86,10 +89,6 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"`{name}` is on {tensor.device}; jattn runs on CPU and CUDA tensors.")
-    where = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
-    cached = _VIEWS.get(id(tensor))
-    if cached is not None and cached[0] == where:
-        return cached[1]
     source = tensor.detach()
     if not source.is_contiguous():
         source = source.contiguous()  # the one documented copy
@@ -99,7 +98,7 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
         if id(tensor) not in _VIEWS:
             weakref.finalize(tensor, _VIEWS.pop, id(tensor), None)
-        _VIEWS[id(tensor)] = (where, array)
+        _VIEWS[id(tensor)] = ((tensor.data_ptr(), tensor.shape, tensor.dtype), array)
     return array
 
 

@@ -22,14 +22,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     a: [..., M, K], b: [K, N], bias: [N] or None; bfloat16, float16 or float32 (a and b alike),
     all on one device. Returns [..., M, N] of a's dtype. Differentiable in a, b and bias.
     """
-    return torch.ops.jattn.matmul(a, b, bias, implementation)
+    return _ops.run_op("matmul", a, b, bias, implementation)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         implementation: str | None = None) -> torch.Tensor:
     """Batched a @ b + bias, as `jattn.bmm`: a [..., M, K], b [..., K, N] with broadcasting
     batch dims, bias [N] or None. Returns [..., M, N] of a's dtype."""
-    return torch.ops.jattn.bmm(a, b, bias, implementation)
+    return _ops.run_op("bmm", a, b, bias, implementation)
 
 
 def _mask_tensors(block_mask, L: int, S: int) -> tuple[list[torch.Tensor], list[int]]:
@@ -76,9 +76,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=
     if block_mask is not None:
         mask_tensors, block_size = _mask_tensors(block_mask, L, S)
     mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
-    out, lse = torch.ops.jattn.flex_attention(q, k, v, mask_tensors, _ops.mod_captures(mods),
-                                              mods, block_size, [L, S], scale, enable_gqa,
-                                              implementation)
+    out, lse = _ops.run_op("flex_attention", q, k, v, mask_tensors, _ops.mod_captures(mods),
+                         mods, block_size, [L, S], scale, enable_gqa, implementation)
     return (out, lse) if return_lse else out
 
 
