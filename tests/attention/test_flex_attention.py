@@ -1,5 +1,6 @@
 """flex_attention against a float64 golden: masks, mods, GQA, ragged shapes, gradients."""
 
+import dataclasses
 import functools
 
 import jax
@@ -44,10 +45,11 @@ def _inputs(rng, B, Hq, Hkv, L, S, E, Ev, dtype, kv_batch=None):
             random(rng, (kv_batch, Hkv, S, Ev), dtype))
 
 
-def _check(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True, seed=0):
+def _check(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True, seed=0,
+           config=SMALL):
     """Output, LSE and random-cotangent gradients (q, k, v) against the golden."""
     run = functools.partial(jattn.flex_attention, score_mod=score_mod, block_mask=block_mask,
-                            enable_gqa=True, return_lse=True, config=SMALL, implementation=impl)
+                            enable_gqa=True, return_lse=True, config=config, implementation=impl)
     ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask)
     out, lse = jax.jit(run)(q, k, v)
     gold_out, gold_lse = golden(ref, q, k, v)
@@ -69,7 +71,7 @@ def _check(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True, seed=0
         assert_close(g, g64, g_low, what=f"d{name}")
 
 
-def _masks_and_mods(impl, mask, mod):
+def _masks_and_mods(impl, mask, mod, config=SMALL):
     rng = np.random.default_rng(len(mask) + len(mod))
     L = S = 70
     q, k, v = _inputs(rng, 2, 4, 2, L, S, 24, 24, jnp.float32)
@@ -77,7 +79,7 @@ def _masks_and_mods(impl, mask, mod):
     if MASKS[mask] is not None:
         block_mask = jattn.create_block_mask(MASKS[mask](L), None, None, L, S, block_size=BLOCK)
     score_mod = None if MODS[mod] is None else MODS[mod](4)
-    _check(impl, q, k, v, score_mod, block_mask)
+    _check(impl, q, k, v, score_mod, block_mask, config=config)
 
 
 @pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
@@ -93,6 +95,26 @@ def test_masks_and_mods(impl, mask, mod):
 def test_masks_and_mods_in_the_interpreter(mask, mod):
     """The Pallas kernels' logic on the CPU: masks, captured-array lookups, partial blocks."""
     _masks_and_mods("interpret", mask, mod)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,mod", [("causal", "alibi"), ("document", "none"),
+                                      ("sliding", "softcap"), ("none", "relative")])
+def test_forward_compiled_by_triton(mask, mod):
+    """The forward kernel compiled by the `triton` package instead of XLA (compiler="triton",
+    the D <= 64 default where triton is installed) against the golden."""
+    pytest.importorskip("triton")
+    _masks_and_mods("pallas_triton", mask, mod, dataclasses.replace(SMALL, compiler="triton"))
+
+
+def test_config_names_its_compiler():
+    with pytest.raises(ValueError, match="compiler must be 'xla' or 'triton', got 'nvcc'"):
+        jattn.AttentionConfig(compiler="nvcc")
+    from jattn._src.attention.config import heuristic_config
+
+    chosen = heuristic_config(64, (128, 128), masked=True, triton_compiler=True)
+    assert (chosen.block_q, chosen.block_k, chosen.compiler) == (128, 128, "triton")
+    assert heuristic_config(64, (128, 128), masked=True).compiler == "xla"
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

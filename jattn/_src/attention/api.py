@@ -15,6 +15,7 @@ from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.masks.block_mask import BlockMask, dense_from_lists
+from jattn._src.pallas_triton_compile import triton_compiler_available
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
 
@@ -294,8 +295,9 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     resolved = None
     fwd_mods = bwd_mods = dkdv_mods = xla_mods
     if implementation != "xla":
-        resolved = config or heuristic_config(E, block_mask.block_size,
-                                              masked=block_mask.mask_mod is not None)
+        resolved = config or heuristic_config(
+            E, block_mask.block_size, masked=block_mask.mask_mod is not None,
+            triton_compiler=platform.has_cuda() and triton_compiler_available())
         resolved.check_fits(block_mask.block_size)
         fwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                *_tile_signature(resolved.block_q, resolved.block_k))

@@ -15,6 +15,8 @@ class AttentionConfig:
     block_q, block_k: forward tile (query rows x key columns). bwd_block_q, bwd_block_k: tile of
     both backward kernels (dQ and dK/dV). Each must divide the BlockMask's block size along its
     axis. num_warps / num_stages and bwd_num_warps / bwd_num_stages: Triton launch parameters.
+    compiler: who compiles the forward kernel's Triton IR: "xla" (jax's own path) or "triton"
+    (the `triton` package, where installed; otherwise it falls back to "xla").
     """
 
     block_q: int = 128
@@ -25,8 +27,12 @@ class AttentionConfig:
     bwd_block_k: int = 64
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
+    compiler: str = "xla"
 
     def __post_init__(self):
+        if self.compiler not in ("xla", "triton"):
+            raise ValueError(f"AttentionConfig.compiler must be 'xla' or 'triton', got "
+                             f"{self.compiler!r}.")
         check_tiles(self, "block_q", "block_k", "bwd_block_q", "bwd_block_k")
         check_warps(self, "num_warps", "bwd_num_warps")
         check_positive(self, "num_stages", "bwd_num_stages")
@@ -42,15 +48,20 @@ class AttentionConfig:
                                  "BlockMask with larger blocks.")
 
 
-def heuristic_config(head_dim: int, mask_block: tuple[int, int], *,
-                     masked: bool) -> AttentionConfig:
+def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool,
+                     triton_compiler: bool = False) -> AttentionConfig:
     """The default config for a head dim and a BlockMask block size; `masked`: the BlockMask
-    has a mask_mod (partial blocks), which moves the D <= 64 optimum."""
+    has a mask_mod (partial blocks), which moves the D <= 64 optimum; `triton_compiler`: the
+    `triton` package can compile the forward kernel."""
     # H100 sweeps (benchmarks/RESULTS.md, "Forward tile sweep"): 128x64 w4 s2 leads at D=128
-    # with or without a mask; at D=64, 64x128 w4 s3 without one and 64x64 w4 s3 with one.
-    # Backward: 64x64 w4 s2 led every case of the backward sweep.
+    # with or without a mask; at D=64, compiled by XLA, 64x128 w4 s3 without one and 64x64 w4
+    # s3 with one, but 128x128 w4 s3 compiled by Triton 3.6 beats both (432 / 393 TFLOP/s
+    # against 389 / 357). Backward: 64x64 w4 s2 led every case of the backward sweep.
     if head_dim > 64:
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
+    elif triton_compiler:
+        config = AttentionConfig(block_q=128, block_k=128, num_warps=4, num_stages=3,
+                                 compiler="triton")
     elif masked:
         config = AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)
     else:

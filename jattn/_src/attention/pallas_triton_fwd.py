@@ -13,11 +13,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Problem
 from jattn._src.constants import LOG2_E, MASK_VALUE
+from jattn._src.pallas_triton_compile import compiler_params
 
 
 def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
@@ -95,8 +95,8 @@ def forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
                    pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3])],
         out_shape=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.Ev), q.dtype),
                    jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps,
-                                             num_stages=p.config.num_stages),
+        compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
+                                        compiler=p.config.compiler),
         interpret=p.implementation == "interpret",
         name="jattn_flex_fwd",
     )(q, k, v, *lists, *score_caps, *mask_caps)

@@ -1,0 +1,132 @@
+"""Pallas-Triton kernels compiled by the Triton compiler itself, where it is installed.
+
+jax 0.11 hands a pallas_call's Triton IR to XLA, whose bundled Triton pipeline compiles it; for
+the flex attention forward at head dim 64 that code ran 10-20% slower on the H100 than the same
+IR compiled by the `triton` package (3.6, the compiler torch uses), measured in one run
+(benchmarks/RESULTS.md). A pallas_call given `compiler_params(..., compiler="triton")` is lowered
+to the same Triton IR by Pallas, compiled to PTX by `triton.compile`, and launched through
+jaxlib's `triton_kernel_call_ffi` custom call (the route jax <= 0.10 and jax-triton take). Where
+`triton` is missing, or a kernel would need Triton's global scratch memory, the call falls back
+to the stock lowering: same kernel, XLA's compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+import tempfile
+import zlib
+
+import jax
+from jax.experimental.pallas import triton as plgpu
+
+_PARAM = re.compile(r"\.param\s")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TritonCompiled(plgpu.CompilerParams):
+    """Launch parameters of a kernel that the `triton` package compiles."""
+
+
+def compiler_params(num_warps: int, num_stages: int, *, compiler: str = "xla"):
+    """Pallas compiler params for `compiler`: "xla" (jax's stock path) or "triton"."""
+    if compiler not in ("xla", "triton"):
+        raise ValueError(f"compiler must be 'xla' or 'triton', got {compiler!r}.")
+    params = _TritonCompiled if compiler == "triton" and _register() else plgpu.CompilerParams
+    return params(num_warps=num_warps, num_stages=num_stages)
+
+
+def triton_compiler_available() -> bool:
+    """Whether `compiler="triton"` really compiles with the `triton` package here."""
+    return _register()
+
+
+@functools.cache
+def _register() -> bool:
+    """Installs the lowering rule for `_TritonCompiled`; False where that cannot work."""
+    try:
+        import triton  # noqa: F401
+        from jax._src.lib import gpu_triton  # noqa: F401
+        from jax._src.pallas import core as pallas_core
+        from jax._src.pallas.triton import lowering  # noqa: F401
+        from jax._src.pallas.triton import pallas_call_registration as stock
+    except ImportError:
+        return False
+    pallas_core.register_lowering_rule(_TritonCompiled, functools.partial(_lower, stock), "gpu")
+    return True
+
+
+def _gpus() -> list:
+    try:
+        return jax.local_devices(backend="gpu")
+    except RuntimeError:  # no GPU backend on this machine
+        return []
+
+
+def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ttir")  # triton reads IR from a .ttir file
+        with open(path, "w") as f:
+            f.write(ttir)
+        return triton.compile(path, target=GPUTarget("cuda", capability, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_output_aliases,
+           **params):
+    from jax._src.interpreters import mlir
+    from jax._src.lib import gpu_triton
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton import lowering
+
+    plain = plgpu.CompilerParams(num_warps=compiler_params.num_warps,
+                                 num_stages=compiler_params.num_stages)
+
+    def fallback():
+        return stock.pallas_call_lowering(
+            ctx, *in_nodes, jaxpr=jaxpr, compiler_params=plain, grid_mapping=grid_mapping,
+            input_output_aliases=input_output_aliases, **params)
+
+    platforms = ctx.platforms or ctx.module_context.platforms
+    gpus = _gpus()
+    if tuple(platforms) != ("cuda",) or not gpus:
+        return fallback()  # e.g. lowering for CUDA on a CPU machine: nothing to compile for
+    capability = int(str(gpus[0].compute_capability).replace(".", ""))
+    result = lowering.lower_jaxpr_to_triton_module(jaxpr, grid_mapping, "cuda", capability,
+                                                   mlir_ctx=ctx.module_context)
+    ttir = result.module.operation.get_asm()
+    kernel = _compile(ttir, compiler_params.num_warps, compiler_params.num_stages, capability)
+    if getattr(kernel.metadata, "global_scratch_size", 0) or getattr(
+            kernel.metadata, "profile_scratch_size", 0):
+        return fallback()  # would need scratch buffers the launcher does not allocate
+    ptx = kernel.asm["ptx"]
+    operands = len(ctx.avals_in) + len(ctx.avals_out)
+    entry = ptx[ptx.index(".entry"):]
+    extra = len(_PARAM.findall(entry[:entry.index(")")])) - operands  # Triton's scratch pointers
+    grid = tuple(result.grid) + (1,) * (3 - len(result.grid))
+    launch = gpu_triton.TritonKernelCall(
+        gpu_triton.TritonKernel(kernel.name, kernel.metadata.num_warps, 1,
+                                kernel.metadata.shared, ptx, ttir, capability),
+        *grid,
+        [gpu_triton.create_array_parameter(0, 16)] * operands
+        + [gpu_triton.create_scalar_parameter(0, "u64")] * extra)
+    result_types = [mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out]
+    layouts = [[list(reversed(range(aval.ndim))) for aval in avals]
+               for avals in (ctx.avals_in, ctx.avals_out)]
+    return mlir.custom_call(
+        call_target_name="triton_kernel_call_ffi",
+        result_types=result_types,
+        operands=in_nodes,
+        backend_config=dict(
+            name=ir.StringAttr.get(kernel.name),
+            opaque=ir.StringAttr.get(zlib.compress(launch.to_proto(kernel.name, b""))),
+        ),
+        operand_layouts=layouts[0],
+        result_layouts=layouts[1],
+        operand_output_aliases=dict(input_output_aliases),
+    ).results
