@@ -301,7 +301,7 @@ def test_bad_mods_and_masks_raise(impl):
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_backward_from_saved_outputs_equals_vjp(impl):
     """flex_attention_backward (the torch ops' backward) reuses out/lse and matches jax.vjp bit
-    for bit, captured-table gradient included."""
+    for bit (the captured table's gradient too, except across GPU programs: see below)."""
     from jattn._src.attention.api import flex_attention_backward
 
     rng = np.random.default_rng(10)
@@ -317,9 +317,14 @@ def test_backward_from_saved_outputs_equals_vjp(impl):
 
     (out, lse), vjp = jax.vjp(run, q, k, v, table)
     cotangents = (random(rng, out.shape), random(rng, lse.shape))
-    expected = jax.jit(lambda c: vjp(c))(cotangents)
+    expected = jax.jit(lambda vjp, c: vjp(c))(vjp, cotangents)  # residuals as arguments
     dq, dk, dv, (d_table,) = jax.jit(lambda out, lse, c, table: flex_attention_backward(
         q, k, v, out, lse, *c, jattn.mods.relative_position_bias(table), block_mask,
         captures=(table,), **options))(out, lse, cotangents, table)
-    for name, ours, theirs in zip(("q", "k", "v", "table"), (dq, dk, dv, d_table), expected):
+    for name, ours, theirs in zip("qkv", (dq, dk, dv), expected):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"d{name}")
+    # The table's gradient is an XLA reduction, which XLA may order differently in two programs
+    # on the GPU (seen: 1e-6 relative); bitwise on the CPU.
+    tolerance = 0 if impl != "pallas_triton" else 1e-5
+    np.testing.assert_allclose(np.asarray(d_table), np.asarray(expected[3]), rtol=tolerance,
+                               atol=tolerance, err_msg="dtable")

@@ -33,14 +33,20 @@ def check(impl, q, k, v, score_mod=None, block_mask=None, *, kv_len=None, config
     # Jitted: the eager oracle compiles op by op, seconds per new shape.
     ref = jax.jit(functools.partial(decode_reference, score_mod=score_mod,
                                     block_mask=block_mask, kv_len=kv_len))
-    gold_out, gold_lse = golden(ref, q, k, v)
-    low_out, low_lse = low_precision(ref, q, k, v)
+    assert_attention_close(out, lse, ref, q, k, v)
+    return out, lse
+
+
+def assert_attention_close(out, lse, reference, *args) -> None:
+    """out and natural-log LSE against reference(*args) -> (out, lse) by the tolerance rule
+    (float64 golden), the LSE -inf exactly where the golden's is."""
+    gold_out, gold_lse = golden(reference, *args)
+    low_out, low_lse = low_precision(reference, *args)
     assert_close(out, gold_out, low_out, what="out")
     finite = np.isfinite(gold_lse)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
     assert_close(jnp.where(finite, lse, 0), np.where(finite, gold_lse, 0),
                  map_reference(lambda x: jnp.where(finite, x, 0), low_lse), what="lse")
-    return out, lse
 
 
 def random_page_table(rng, B: int, max_pages: int, num_pages: int) -> np.ndarray:

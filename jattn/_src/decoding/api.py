@@ -1,0 +1,219 @@
+"""Public flex decoding: validation, positions and lengths, config and split choice, dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jattn._src import platform
+from jattn._src.attention.api import _checked_mask_mod, _checked_score_mod
+from jattn._src.decoding import pallas_triton, xla
+from jattn._src.decoding.common import MAX_DECODE_QUERIES, kv_lists, make_problem
+from jattn._src.decoding.config import DecodeConfig
+from jattn._src.decoding.paged import PagedKVCache, concrete
+from jattn._src.masks.block_mask import BlockMask
+from jattn._src.user_functions import CaptureSet
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+def _kv_shapes(q, k, v):
+    """(Hkv, S, E, Ev, kv_batch, page_size, num_pages) of contiguous k/v or a PagedKVCache."""
+    if isinstance(k, PagedKVCache):
+        if v is not None:
+            raise ValueError("flex_decode: with a PagedKVCache as `k`, pass v=None (the cache "
+                             "holds both pools).")
+        k.check()
+        if k.batch != q.shape[0]:
+            raise ValueError(f"flex_decode: the page table has {k.batch} rows but q has batch "
+                             f"{q.shape[0]}.")
+        return (k.num_kv_heads, k.capacity, k.k_pages.shape[3], k.v_pages.shape[3], 1,
+                k.page_size, k.num_pages), k.k_pages.dtype
+    for name, x in (("k", k), ("v", v)):
+        if x is None or jnp.ndim(x) != 4:
+            raise ValueError(f"flex_decode: `{name}` must be [batch, kv_heads, length, dim] (or "
+                             f"`k` a PagedKVCache), got {None if x is None else jnp.shape(x)}.")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] not in (q.shape[0], 1):
+        raise ValueError(f"flex_decode: k {k.shape} and v {v.shape} must agree on batch, heads "
+                         f"and length, with batch {q.shape[0]} (q's) or 1.")
+    if k.dtype != v.dtype:
+        raise TypeError(f"flex_decode: k ({k.dtype}) and v ({v.dtype}) must share a dtype.")
+    _, Hkv, S, E = k.shape
+    return (Hkv, S, E, v.shape[3], k.shape[0], None, None), k.dtype
+
+
+def _check_heads_and_dtypes(q, Hkv: int, E: int, kv_dtype) -> None:
+    if q.dtype not in _DTYPES or q.dtype != kv_dtype:
+        raise TypeError(f"flex_decode: q ({q.dtype}) and k/v ({kv_dtype}) must share one of "
+                        "bfloat16, float16, float32.")
+    if q.shape[1] % Hkv:
+        raise ValueError(f"flex_decode: query heads {q.shape[1]} must be a multiple of kv heads "
+                         f"{Hkv} (q {q.shape}).")
+    if q.shape[3] != E:
+        raise ValueError(f"flex_decode: q's head dim {q.shape[3]} differs from k's {E}.")
+
+
+def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
+    """kv_len as int32 [B] (None: S everywhere) and, under jit, a [B] mask of bad entries
+    (None when every value was checked here): a length outside [0, S], or, with a cache, a page
+    below the length that is unassigned or outside the pool. Known bad values raise."""
+    if kv_len is None:
+        kv_len, bad = jnp.full((B,), S, jnp.int32), jnp.zeros((B,), bool)
+        if cache is None:
+            return kv_len, None
+    else:
+        kv_len = jnp.asarray(kv_len)
+        if not jnp.issubdtype(kv_len.dtype, jnp.integer) or kv_len.ndim > 1 or (
+                kv_len.ndim == 1 and kv_len.shape[0] not in (1, B)):
+            raise ValueError(f"flex_decode: `kv_len` must be an int scalar or [{B}] array, "
+                             f"got {kv_len.dtype}{list(kv_len.shape)}.")
+        kv_len = jnp.broadcast_to(kv_len.astype(jnp.int32), (B,))
+        bad = (kv_len < 0) | (kv_len > S)
+    if cache is not None:
+        table = cache.page_table
+        needed = jnp.arange(table.shape[1]) < ((kv_len + cache.page_size - 1)
+                                               // cache.page_size)[:, None]
+        outside = (table < 0) | (table >= cache.num_pages)
+        bad = bad | (needed & outside).any(axis=1)
+    known = concrete(bad)
+    if known is None:
+        return kv_len, bad
+    if known.any():
+        b = int(np.argmax(known))
+        raise ValueError(f"flex_decode: kv_len[{b}] = {int(kv_len[b])} is outside [0, {S}] (the "
+                         "cache length) or reaches a page the page table leaves unassigned or "
+                         "points outside the pool.")
+    return kv_len, None
+
+
+def _check_block_mask(block_mask, B: int, Hq: int, S: int) -> None:
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("flex_decode: `block_mask` must be a jattn.BlockMask, got "
+                        f"{type(block_mask).__name__}.")
+    Bm, Hm, Q_LEN, KV_LEN = block_mask.shape
+    if KV_LEN != S or Q_LEN < S:
+        raise ValueError(f"flex_decode: block_mask covers (Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); a "
+                         f"decode mask is indexed by absolute positions, so build it for "
+                         f"({S}, {S}), the cache length (e.g. create_block_mask(mask_mod, B, H, "
+                         f"{S}, {S})).")
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"flex_decode: block_mask batch/heads ({Bm}, {Hm}) must be 1 or match "
+                         f"q's ({B}, {Hq}).")
+
+
+# ------------------------------------------------------------------------------------------------
+# No gradients
+# ------------------------------------------------------------------------------------------------
+
+@jax.custom_vjp
+def _no_gradient(arrays):
+    return arrays
+
+
+def _no_gradient_fwd(arrays):
+    raise NotImplementedError(
+        "flex_decode has no gradient: it is an inference kernel. Differentiate "
+        "jattn.flex_attention instead (same q, k, v, score_mod and BlockMask; for decode-style "
+        "positions pass the query offset through score_mod/mask_mod).")
+
+
+_no_gradient.defvjp(_no_gradient_fwd, lambda _, cotangent: (cotangent,))
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+# ------------------------------------------------------------------------------------------------
+
+def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
+                block_mask: BlockMask | None = None, *, kv_len=None, scale: float | None = None,
+                return_lse: bool = False, config: DecodeConfig | None = None,
+                implementation: str | None = None):
+    """Attention of a few new queries per sequence over a KV cache (decoding), split over keys.
+
+        cache positions of sequence b:  0 1 2 ... kv_len[b]-Lq ... kv_len[b]-1 | kv_len[b] ... S-1
+        queries (Lq = 3):                            q0         q1    q2       |  (not read)
+
+    Args:
+      q: [B, Hq, Lq, E], Lq small (1-16 run the decode kernel; longer blocks fall back to
+        flex_attention over the whole cache). Query i of sequence b is at position
+        kv_len[b] - Lq + i; score_mod and mask_mod receive that position as q_idx.
+      k, v: a contiguous cache [B|1, Hkv, S, E] and [B|1, Hkv, S, Ev], or k a PagedKVCache (S:
+        its capacity) and v None. bfloat16, float16 or float32, q's dtype; Hq % Hkv == 0.
+      score_mod: `f(score, b, h, q_idx, kv_idx)` as in flex_attention (arrays it closes over
+        become kernel inputs).
+      block_mask: a BlockMask built for (S, S), the cache length, at logical positions (also
+        for a paged cache): each query uses the row of its position; partial blocks apply the
+        mask_mod, full blocks skip it. Batch and heads 1 or (B, Hq); a per-head mask gives every
+        query head its own program (K/V read once per head instead of per kv head).
+      kv_len: int [B] (or scalar) valid keys per sequence, at most S (default S). Keys at and
+        past it are never read, so stale or unassigned cache slots are harmless.
+      scale: default 1/sqrt(E). return_lse: also return the natural-log LSE [B, Hq, Lq].
+      config: a DecodeConfig (None: heuristic; the split count from the device's SMs).
+      implementation: "pallas_triton", "xla" or "interpret" (default by platform).
+
+    Returns:
+      out [B, Hq, Lq, Ev] of q's dtype (and the LSE). A query that attends to nothing (kv_len 0,
+      or a position below 0) gives 0 and LSE -inf. Paged and contiguous caches with the same
+      contents give bitwise equal results for the same config.
+
+    Bad values raise ValueError when known (eager calls): kv_len outside [0, S], a page below
+    kv_len unassigned or outside the pool. Under jit, where they cannot be checked, the rows of
+    such a sequence come out NaN; nothing is read or written out of bounds either way. Not
+    differentiable: jax.grad raises (use flex_attention to train).
+    """
+    q = jnp.asarray(q)
+    cache = k if isinstance(k, PagedKVCache) else None
+    if cache is None and k is not None and v is not None:
+        k, v = jnp.asarray(k), jnp.asarray(v)
+    if q.ndim != 4:
+        raise ValueError(f"flex_decode: `q` must be [batch, heads, queries, dim], got {q.shape}.")
+    (Hkv, S, E, Ev, kv_batch, page_size, num_pages), kv_dtype = _kv_shapes(q, k, v)
+    _check_heads_and_dtypes(q, Hkv, E, kv_dtype)
+    B, Hq, Lq, _ = q.shape
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"flex_decode: `score_mod` must be callable, got {score_mod!r}.")
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"flex_decode: `config` must be a DecodeConfig, got {config!r}.")
+    if block_mask is not None:
+        _check_block_mask(block_mask, B, Hq, S)
+    implementation = platform.resolve_implementation(implementation)
+    scale = float(E ** -0.5 if scale is None else scale)
+    static_length = kv_len is None
+    kv_len, bad = _lengths(kv_len, B, S, cache)
+    kv_len = jnp.clip(kv_len, 0, S)
+    q_start = kv_len - Lq
+
+    if implementation == "xla" or Lq > MAX_DECODE_QUERIES:
+        k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
+        q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
+        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, q_start, kv_len,
+                               scale=scale, implementation=implementation)
+    else:
+        score_set, mask_set = CaptureSet(), CaptureSet()
+        mask_mod = None if block_mask is None else block_mask.mask_mod
+        problem = make_problem(
+            B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch,
+            page_size=page_size, num_pages=num_pages, block_mask=block_mask,
+            score_mod=None if score_mod is None else _checked_score_mod(score_mod),
+            mask_mod=None if mask_mod is None else _checked_mask_mod(mask_mod),
+            score_set=score_set, mask_set=mask_set, static_length=static_length, scale=scale,
+            implementation=implementation, config=config)
+        if cache is not None:
+            k, v, table = cache.k_pages, cache.v_pages, cache.page_table
+        else:
+            table = None
+        q, k, v, score_caps = _no_gradient((q, k, v, tuple(score_set.captures)))
+        lists = [] if block_mask is None else kv_lists(vars(block_mask))
+        out, lse = pallas_triton.forward(problem, q, k, v, q_start, kv_len, table, lists,
+                                         score_caps, tuple(mask_set.captures))
+    if bad is not None:
+        out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
+        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+    return (out, lse) if return_lse else out
