@@ -141,6 +141,15 @@ def kv_lists(masks: dict[str, jax.Array]) -> list[jax.Array]:
     return [jnp.asarray(masks[name], jnp.int32) for name in names]
 
 
+def _sum_in_order(x: jax.Array) -> jax.Array:
+    """x.sum(axis=0) as a fixed chain of adds: a reduction's order may differ between two XLA
+    programs on the GPU, which would break paged == contiguous bit for bit."""
+    total = x[0]
+    for i in range(1, x.shape[0]):
+        total = total + x[i]
+    return total
+
+
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Merges per-split softmax partials along axis 0 (XLA; a few fused element-wise passes).
 
@@ -151,8 +160,8 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Arra
     """
     m_max = m.max(axis=0)
     weight = jnp.exp2(m - m_max)
-    l_sum = (weight * l).sum(axis=0)
-    acc_sum = (weight[..., None] * acc).sum(axis=0)
+    l_sum = _sum_in_order(weight * l)
+    acc_sum = _sum_in_order(weight[..., None] * acc)
     l_safe = jnp.where(l_sum == 0, 1.0, l_sum)
     out = acc_sum / l_safe[..., None]
     lse = jnp.where(l_sum == 0, -jnp.inf, (m_max + jnp.log2(l_safe)) / LOG2_E)
