@@ -269,9 +269,9 @@ def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths,
 
 
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
-                   captures: list[Tensor], mods: str, block_size: list[int],
-                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
-                   implementation: Optional[str]) -> tuple[Tensor, Tensor]:
+                  captures: list[Tensor], mods: str, block_size: list[int],
+                  seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
+                  implementation: Optional[str]) -> tuple[Tensor, Tensor]:
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
     out, lse = _flex(*_arrays(q=q, k=k, v=v), _arrays(**_named_masks(mask_tensors)),
@@ -280,11 +280,11 @@ def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
 
 
 def _flex_backward_op(d_out: Tensor, d_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
-                            out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
-                            captures: list[Tensor], mods: str,
-                            block_size: list[int], seq_lengths: list[int],
-                            scale: Optional[float], enable_gqa: bool,
-                            implementation: Optional[str]) -> list[Tensor]:
+                      out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
+                      captures: list[Tensor], mods: str,
+                      block_size: list[int], seq_lengths: list[int],
+                      scale: Optional[float], enable_gqa: bool,
+                      implementation: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
