@@ -14,6 +14,8 @@ from jattn._src import platform
 from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.attention.config import AttentionConfig, heuristic_config
+from jattn._src.decoding import common as decoding
+from jattn._src.decoding import pallas_triton as decoding_kernel
 from jattn._src.masks.block_mask import BlockMask, dense_from_lists
 from jattn._src.pallas_triton_compile import triton_compiler_available
 from jattn._src.tiling import cdiv
@@ -148,6 +150,8 @@ def _trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet
 def _forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
     if p.implementation == "xla":
         return xla.forward(p, q, k, v, masks["partial"], masks["full"], score_caps, mask_caps)
+    if p.decode is not None:
+        return decoding_kernel.attention_forward(p.decode, q, k, v, masks, score_caps, mask_caps)
     return pallas_triton_fwd.forward(p, q, k, v, masks, score_caps, mask_caps)
 
 
@@ -281,7 +285,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
     if config is not None and not isinstance(config, AttentionConfig):
         raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
-    if block_mask is None:
+    dense = block_mask is None
+    if dense:
         block_mask = _full_block_mask(L, S)
     _check_block_mask(block_mask, B, Hq, L, S)
     implementation = platform.resolve_implementation(implementation)
@@ -292,7 +297,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     score_set, mask_set = CaptureSet(), CaptureSet()
     score_sig, index_sig = xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1])
     xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)
-    resolved = None
+    resolved = decode = None
     fwd_mods = bwd_mods = dkdv_mods = xla_mods
     if implementation != "xla":
         resolved = config or heuristic_config(
@@ -306,10 +311,18 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         dkdv_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
                                 *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k,
                                                  transposed=True))
+        if config is None and L <= decoding.MAX_DECODE_QUERIES:
+            # A few queries: the forward runs the split-KV decode kernel, which fills the GPU
+            # (the flex forward would launch only B·Hq programs); the backward is unchanged.
+            decode = decoding.make_problem(
+                B=B, Hq=Hq, Hkv=Hkv, Lq=L, S=S, E=E, Ev=Ev, kv_batch=Bk, page_size=None,
+                num_pages=None, block_mask=None if dense else block_mask, score_mod=score_mod,
+                mask_mod=mask_mod, score_set=score_set, mask_set=mask_set, static_length=True,
+                scale=scale, implementation=implementation, config=None)
     problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                       mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                       mask_block=block_mask.block_size, scale=scale,
                       implementation=implementation, config=resolved, fwd=fwd_mods,
-                      bwd=bwd_mods, dkdv=dkdv_mods, xla=xla_mods)
+                      bwd=bwd_mods, dkdv=dkdv_mods, xla=xla_mods, decode=decode)
     return (problem, _mask_arrays(implementation, block_mask), tuple(score_set.captures),
             tuple(mask_set.captures))

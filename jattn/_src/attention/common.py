@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jattn._src.attention.config import AttentionConfig
 from jattn._src.user_functions import TracedFunction
@@ -48,6 +49,7 @@ class Problem:
     bwd: Mods          # kernel dQ tile [queries, keys], or the XLA block
     dkdv: Mods         # kernel dK/dV tile, transposed: [keys, queries]; or the XLA block
     xla: Mods          # XLA block: the XLA path, and gradients of captured arrays
+    decode: Any = None  # a decoding DecodeProblem when the forward runs the decode kernel
 
     @property
     def groups(self) -> int:
