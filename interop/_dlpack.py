@@ -21,6 +21,7 @@ BlockMask list or a captured table crosses once, not on every call.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import jax
@@ -55,6 +56,7 @@ DTYPES = {
 _VIEWS: dict[int, tuple] = {}
 
 
+@functools.cache  # on every import of a CUDA tensor: look the device up once
 def _jax_gpu(index: int) -> jax.Device:
     for device in jax.local_devices(backend="gpu"):
         if device.local_hardware_id == index:

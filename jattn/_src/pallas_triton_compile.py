@@ -108,16 +108,13 @@ def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_ou
     operands = len(ctx.avals_in) + len(ctx.avals_out)
     entry = ptx[ptx.index(".entry"):]
     extra = len(_PARAM.findall(entry[:entry.index(")")])) - operands  # Triton's scratch pointers
-    grid = tuple(result.grid) + (1,) * (3 - len(result.grid))
     launch = gpu_triton.TritonKernelCall(
         gpu_triton.TritonKernel(kernel.name, kernel.metadata.num_warps, 1,
                                 kernel.metadata.shared, ptx, ttir, capability),
-        *grid,
+        *stock.normalize_grid(result.grid),
         [gpu_triton.create_array_parameter(0, 16)] * operands
         + [gpu_triton.create_scalar_parameter(0, "u64")] * extra)
     result_types = [mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out]
-    layouts = [[list(reversed(range(aval.ndim))) for aval in avals]
-               for avals in (ctx.avals_in, ctx.avals_out)]
     return mlir.custom_call(
         call_target_name="triton_kernel_call_ffi",
         result_types=result_types,
@@ -126,7 +123,7 @@ def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_ou
             name=ir.StringAttr.get(kernel.name),
             opaque=ir.StringAttr.get(zlib.compress(launch.to_proto(kernel.name, b""))),
         ),
-        operand_layouts=layouts[0],
-        result_layouts=layouts[1],
+        operand_layouts=stock.avals_to_layouts(ctx.avals_in),
+        result_layouts=stock.avals_to_layouts(ctx.avals_out),
         operand_output_aliases=dict(input_output_aliases),
     ).results
