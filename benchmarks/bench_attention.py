@@ -1,6 +1,7 @@
 """Flex attention on the GPU against torch FlexAttention, cuDNN and JAX's Pallas mha, same run.
 
     python -m benchmarks.bench_attention [--only CASE] [--masks full,causal] [--json out.json]
+    python -m benchmarks.bench_attention --sweep [--only CASE] [--masks ...]   # forward tiles
 
 FLOPs: forward 4·B·H·L²·D times the mask's density (fraction of attended pairs); backward
 2.5x forward; JAX backward time = time(forward + vjp) - time(forward), torch likewise with
@@ -154,6 +155,60 @@ def bench_case(name, B, H, L, D, kind) -> dict:
     return row
 
 
+# Forward configs of the sweep by head dim: (block_q, block_k, num_warps, num_stages, compiler).
+SWEEP = {
+    128: [(128, 64, 4, 2, "xla"), (128, 64, 4, 4, "xla"), (128, 64, 8, 5, "xla"),
+          *[(128, bk, w, st, "triton") for bk, w, st in (
+              (64, 4, 3), (64, 4, 4), (64, 4, 5), (64, 8, 3), (64, 8, 4), (64, 8, 5), (64, 8, 6),
+              (128, 8, 4))]],
+    64: [(64, 128, 4, 3, "xla"), (64, 64, 4, 3, "xla"),
+         *[(bq, bk, w, st, "triton") for bq, bk, w, st in (
+             (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 4, 5), (128, 128, 8, 4),
+             (64, 128, 4, 3), (64, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 5))]],
+}
+
+
+def sweep_forward(name, B, H, L, D, kind) -> list[dict]:
+    """Forward TFLOP/s of each SWEEP[D] config, torch's compiled forward (CUDA-graph replay) timed
+    before and after them in the same run."""
+    import torch
+    from torch.nn.attention import flex_attention as tflex
+
+    torch._dynamo.reset()
+    rng = np.random.default_rng(0)
+    sets = [[jnp.asarray(rng.standard_normal((B, H, L, D)), jnp.bfloat16) for _ in range(3)]
+            for _ in range(COPIES)]
+    flops = 4 * B * H * L * L * D * _density(kind, L)
+    mask_mod = _mask_mod(kind, L)
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, None, None, L, L)
+    _, t_mask = _torch_mods(kind, H, L)
+    t_block = None if t_mask is None else tflex.create_block_mask(t_mask, None, None, L, L,
+                                                                  device="cuda")
+    compiled = torch.compile(tflex.flex_attention)
+    t_sets = [[torch.from_dlpack(x) for x in s] for s in sets]
+
+    def torch_fwd():
+        return flops / time_torch(lambda q, k, v: compiled(q, k, v, block_mask=t_block),
+                                  t_sets) / 1e12
+
+    rows = [{"case": name, "mask": kind, "config": "torch (before)", "fwd": torch_fwd()}]
+    for bq, bk, w, st, compiler in SWEEP[D]:
+        config = jattn.AttentionConfig(block_q=bq, block_k=bk, num_warps=w, num_stages=st,
+                                       compiler=compiler)
+        try:
+            tflops = flops / time_jax(lambda q, k, v, c=config: jattn.flex_attention(
+                q, k, v, None, block_mask, config=c), sets) / 1e12
+        except Exception as error:  # e.g. shared memory the config cannot get
+            tflops = float("nan")
+            print(f"    {type(error).__name__}: {str(error)[:120]}", flush=True)
+        rows.append({"case": name, "mask": kind, "config": f"{bq}x{bk} w{w} s{st} {compiler}",
+                     "fwd": tflops})
+    rows.append({"case": name, "mask": kind, "config": "torch (after)", "fwd": torch_fwd()})
+    for r in rows:
+        print(f"  sweep {name} {kind:>7} {r['config']:>24}: {r['fwd']:6.1f}", flush=True)
+    return rows
+
+
 def bench_block_mask(L: int) -> dict:
     """create_block_mask(causal) at L x L: ours vs torch's compiled builder."""
     import torch
@@ -189,6 +244,8 @@ def main():
     parser.add_argument("--only", help="run only the attention case whose name contains this")
     parser.add_argument("--masks", default=",".join(shapes.ATTENTION_MASKS))
     parser.add_argument("--block-mask", action="store_true", help="also time create_block_mask")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep forward configs instead of the comparison")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
@@ -197,6 +254,9 @@ def main():
         if args.only and args.only not in name:
             continue
         for kind in args.masks.split(","):
+            if args.sweep:
+                rows.extend(sweep_forward(name, B, H, L, D, kind))
+                continue
             r = bench_case(name, B, H, L, D, kind)
             rows.append(r)
             line = f"{name:>20} {kind:>11}: jattn {r['jattn']['fwd']:6.1f}/{r['jattn']['bwd']:6.1f}"

@@ -157,7 +157,8 @@ def bench_case(B: int, S: int) -> dict:
 
 
 def sweep(B: int, S: int) -> list[dict]:
-    """Tiles and stages at the heuristic split count, then split counts around the best."""
+    """Tiles, stages and compilers at the heuristic split count, then split counts around the
+    best."""
     sets, kv_bytes = _input_sets(B, S)
     rows = []
 
@@ -172,16 +173,17 @@ def sweep(B: int, S: int) -> list[dict]:
         print(f"  sweep B{B} S{S // 1024}k {config}: {gbps:7.1f} GB/s", flush=True)
         return gbps
 
-    tiles = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 4), (128, 4, 2), (128, 4, 3),
-             (128, 8, 3), (64, 8, 4)]
-    best = max((DecodeConfig(block_k=bk, num_warps=w, num_stages=s) for bk, w, s in tiles),
-               key=run)
+    tiles = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (32, 4, 6), (128, 4, 2),
+             (128, 4, 3), (128, 8, 3), (64, 8, 4)]
+    configs = [DecodeConfig(block_k=bk, num_warps=w, num_stages=s, compiler=compiler)
+               for compiler in ("xla", "triton") for bk, w, s in tiles]
+    best = max(configs, key=run)
     heuristic = make_problem(B=B, Hq=HQ, Hkv=HKV, Lq=1, S=S, E=D, Ev=D, kv_batch=B,
                              page_size=None, num_pages=None, block_mask=None, score_mod=None,
                              mask_mod=None, score_set=None, mask_set=None, static_length=True,
                              scale=1.0, implementation="pallas_triton",
                              config=best).config.num_splits
-    for factor in (0.25, 0.5, 2.0):
+    for factor in (0.5, 0.75, 1.5, 2.0):
         splits = max(1, round(heuristic * factor))
         if splits != heuristic:
             run(dataclasses.replace(best, num_splits=splits))
@@ -229,7 +231,8 @@ def main():
                 print(f"    {side}: {r[side]}", flush=True)
     if args.sweep:
         for B, S in sorted(TARGETS):
-            rows.extend(sweep(B, S))
+            if not args.only or args.only in f"B{B} S{S // 1024}k":
+                rows.extend(sweep(B, S))
             save()
 
 

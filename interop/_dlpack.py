@@ -7,13 +7,13 @@ JAX runs with x64 enabled (one copy; JAX's default integer is 32-bit), and the C
 a tensor whose address is not aligned to XLA's requirement (e.g. a view at an odd offset).
 
 Streams on the GPU (measured on the H100, jax 0.11): JAX's runtime runs kernels on its own
-streams and ignores the stream a DLPack import names, so a GPU-side wait cannot order our kernel
-after torch's work (tested: the stream JAX reports for external events does not order its
-kernels). `wait_for_torch` therefore has the host wait, once per op call, for the work already
-queued on torch's current stream; `jax.dlpack.from_dlpack` does the same per tensor, at about
-50 us each. Results cross back ordered on torch's current stream, so later torch work waits on
-the GPU for our kernel. A JAX view keeps its DLPack capsule, hence the torch storage, alive until
-JAX is done with it.
+compute stream and ignores the stream a DLPack import names (tested: neither that stream nor the
+one JAX reports for external events orders its kernels). `wait_for_torch` therefore records an
+event on torch's current stream and has JAX's compute stream wait for it (cuStreamWaitEvent;
+the stream handle is read once from inside a JAX program): the GPU waits, the host does not,
+so back-to-back ops still queue ahead of the GPU. Results cross back ordered on torch's
+current stream, so later torch work waits on the GPU for our kernel. A JAX view keeps its
+DLPack capsule, hence the torch storage, alive until JAX is done with it.
 
 Views are cached per tensor object (while it lives, at the same address and shape): a weight, a
 BlockMask list or a captured table crosses once, not on every call.
@@ -21,6 +21,7 @@ BlockMask list or a captured table crosses once, not on every call.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import weakref
 
@@ -29,6 +30,7 @@ import jax.dlpack
 import jax.numpy as jnp
 import torch
 import torch.utils.dlpack
+from jax.experimental.buffer_callback import buffer_callback
 
 try:  # the call `jax.dlpack.from_dlpack` wraps, without its per-tensor host synchronisation
     from jax._src.lib import _jax as _jaxlib
@@ -104,11 +106,41 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     return array
 
 
+@functools.cache
+def _cu_stream_wait_event():
+    function = ctypes.CDLL("libcuda.so.1").cuStreamWaitEvent
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    return function
+
+
+@functools.cache
+def _jax_compute_stream(index: int) -> int:
+    """The CUDA stream JAX's programs run on, on GPU `index`: read once from inside a program
+    (a buffer_callback is handed XLA's compute stream)."""
+    seen = []
+    program = jax.jit(buffer_callback(lambda ctx, out: seen.append(ctx.stream),
+                                      jax.ShapeDtypeStruct((), jnp.int8)),
+                      out_shardings=jax.sharding.SingleDeviceSharding(_jax_gpu(index)))
+    jax.block_until_ready(program())
+    return seen[0]
+
+
+@functools.cache  # one event per device: a wait takes the event's state when it is queued
+def _torch_event(index: int) -> torch.cuda.Event:
+    return torch.cuda.Event()
+
+
 def wait_for_torch(device: torch.device) -> None:
-    """Before JAX reads CUDA tensors: the host waits for the work queued on torch's current
-    stream (see the module docstring for why not a GPU-side wait)."""
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+    """Before JAX reads CUDA tensors: JAX's compute stream on `device` waits (on the GPU) for
+    the work queued so far on torch's current stream. Call once per op, before its program."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    event = _torch_event(index)
+    event.record(torch.cuda.current_stream(index))
+    status = _cu_stream_wait_event()(_jax_compute_stream(index), event.cuda_event, 0)
+    if status:
+        raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:

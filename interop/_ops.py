@@ -40,7 +40,8 @@ def implementation_for(fn: str, device: torch.device, implementation: Optional[s
 
 
 def _ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
-    """The one device of the op's tensors, once torch's work queued there is done."""
+    """The one device of the op's tensors; on CUDA, JAX's next kernels there are ordered after
+    the work queued so far on torch's current stream."""
     device = same_device(fn, **tensors)
     wait_for_torch(device)
     return device

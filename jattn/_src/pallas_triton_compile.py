@@ -22,6 +22,8 @@ import zlib
 import jax
 from jax.experimental.pallas import triton as plgpu
 
+from jattn._src.tiling import COMPILERS
+
 _PARAM = re.compile(r"\.param\s")
 
 
@@ -32,8 +34,8 @@ class _TritonCompiled(plgpu.CompilerParams):
 
 def compiler_params(num_warps: int, num_stages: int, *, compiler: str = "xla"):
     """Pallas compiler params for `compiler`: "xla" (jax's stock path) or "triton"."""
-    if compiler not in ("xla", "triton"):
-        raise ValueError(f"compiler must be 'xla' or 'triton', got {compiler!r}.")
+    if compiler not in COMPILERS:
+        raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}.")
     params = _TritonCompiled if compiler == "triton" and _register() else plgpu.CompilerParams
     return params(num_warps=num_warps, num_stages=num_stages)
 
@@ -67,14 +69,29 @@ def _gpus() -> list:
 
 def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
     import triton
+    from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
 
+    target = GPUTarget("cuda", capability, 32)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    backend = make_backend(target)
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.ttir")  # triton reads IR from a .ttir file
         with open(path, "w") as f:
             f.write(ttir)
-        return triton.compile(path, target=GPUTarget("cuda", capability, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+        # `triton.compile` skips the Triton-IR passes for IR given as a file; without them
+        # `acc * alpha + dot(p, v)` keeps the dot's result apart from acc (no rewrite into
+        # dot(p, v, acc)), a second [block_q, Ev] float32 tile that spilled at D=128.
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = ir.parse_mlir_module(path, context)
+        module.context = context
+        backend.make_ttir(module, {}, backend.parse_options(options), capability)
+        with open(path, "w") as f:
+            f.write(str(module))
+        return triton.compile(path, target=target, options=options)
 
 
 def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_output_aliases,

@@ -8,6 +8,10 @@ from jattn._src.constants import MIN_DOT_TILE
 
 WARP_COUNTS = (1, 2, 4, 8, 16)
 
+# Who compiles a kernel's Triton IR: jax's stock path (XLA's bundled Triton) or the `triton`
+# package (see jattn/_src/pallas_triton_compile.py).
+COMPILERS = ("xla", "triton")
+
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ints."""
@@ -42,3 +46,9 @@ def check_positive(config: Any, *names: str) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{type(config).__name__}.{name}={value!r} must be a positive int.")
+
+
+def check_compiler(config: Any, name: str = "compiler") -> None:
+    value = getattr(config, name)
+    if value not in COMPILERS:
+        raise ValueError(f"{type(config).__name__}.{name}={value!r} must be 'xla' or 'triton'.")

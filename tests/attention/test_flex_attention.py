@@ -108,7 +108,7 @@ def test_forward_compiled_by_triton(mask, mod):
 
 
 def test_config_names_its_compiler():
-    with pytest.raises(ValueError, match="compiler must be 'xla' or 'triton', got 'nvcc'"):
+    with pytest.raises(ValueError, match="AttentionConfig.compiler='nvcc' must be 'xla'"):
         jattn.AttentionConfig(compiler="nvcc")
     from jattn._src.attention.config import heuristic_config
 

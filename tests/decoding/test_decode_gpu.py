@@ -36,6 +36,15 @@ def test_default_configs_match_golden(Lq, mask, dtype):
           config=None)
 
 
+def test_compiled_by_triton_matches_golden():
+    """The kernel's Triton IR compiled by the `triton` package (DecodeConfig.compiler)."""
+    pytest.importorskip("triton")
+    q, k, v = inputs(np.random.default_rng(5), B, HQ, HKV, 4, S, E, dtype=jnp.bfloat16)
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, S, S)
+    check("pallas_triton", q, k, v, jattn.mods.softcap(20.0), block_mask,
+          kv_len=jnp.asarray(LENGTHS), config=jattn.DecodeConfig(compiler="triton"))
+
+
 def test_paged_equals_contiguous_bitwise_on_gpu():
     rng = np.random.default_rng(0)
     page = 64

@@ -168,6 +168,8 @@ def test_bad_lengths_masks_and_configs_raise(impl):
                     implementation="interpret")
     with pytest.raises(ValueError, match="num_splits=0 must be a positive int"):
         DecodeConfig(num_splits=0)
+    with pytest.raises(ValueError, match="DecodeConfig.compiler='nvcc' must be 'xla' or"):
+        DecodeConfig(compiler="nvcc")
 
 
 def test_lengths_unknown_until_run_give_nan_rows():

@@ -1,6 +1,7 @@
 """Tensors cross torch <-> JAX without copies, for every supported dtype."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -85,6 +86,22 @@ def test_zero_copy_on_cuda(dtype):
     array = _dlpack.to_jax(tensor, "x")
     assert _pointer(array) == tensor.data_ptr()
     assert _dlpack.to_torch(array).data_ptr() == tensor.data_ptr()
+
+
+@pytest.mark.gpu
+def test_jax_programs_run_on_the_stream_wait_for_torch_reads_once():
+    """wait_for_torch queues its wait on the compute stream it read from one program; the
+    programs after it (other executables too) must run on that stream."""
+    from jax.experimental.buffer_callback import buffer_callback
+
+    seen = []
+    record = buffer_callback(lambda ctx, out: seen.append(ctx.stream),
+                             jax.ShapeDtypeStruct((), jnp.int8))
+    first = jax.jit(record)
+    second = jax.jit(lambda x: (x * 2, record()))
+    for _ in range(3):
+        jax.block_until_ready((first(), second(jnp.ones(8))))
+    assert set(seen) == {_dlpack._jax_compute_stream(0)}
 
 
 def test_importing_interop_keeps_jax_from_preallocating():

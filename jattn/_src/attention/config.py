@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jattn._src.constants import MIN_DOT_TILE
-from jattn._src.tiling import check_positive, check_tiles, check_warps
+from jattn._src.tiling import check_compiler, check_positive, check_tiles, check_warps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +30,7 @@ class AttentionConfig:
     compiler: str = "xla"
 
     def __post_init__(self):
-        if self.compiler not in ("xla", "triton"):
-            raise ValueError(f"AttentionConfig.compiler must be 'xla' or 'triton', got "
-                             f"{self.compiler!r}.")
+        check_compiler(self)
         check_tiles(self, "block_q", "block_k", "bwd_block_q", "bwd_block_k")
         check_warps(self, "num_warps", "bwd_num_warps")
         check_positive(self, "num_stages", "bwd_num_stages")

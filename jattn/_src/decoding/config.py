@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 from jattn._src.constants import MIN_DOT_TILE
-from jattn._src.tiling import check_positive, check_tiles, check_warps
+from jattn._src.tiling import check_compiler, check_positive, check_tiles, check_warps
 
 # A split reads at least this many K/V tiles: shorter programs spend their time filling the
 # load pipeline (num_stages tiles) rather than streaming.
@@ -39,6 +39,7 @@ class DecodeConfig:
       group that needs more rows is spread over several programs, each reading K/V again.
     num_warps, num_stages: Triton's warps per program and software-pipelining depth (loads kept
       in flight). num_splits: key ranges per (batch, kv head); None picks it from the SM count.
+    compiler: who compiles the kernel's Triton IR, "xla" or "triton" (as AttentionConfig).
     """
 
     block_k: int = 64
@@ -46,8 +47,10 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     num_splits: int | None = None
+    compiler: str = "xla"
 
     def __post_init__(self):
+        check_compiler(self)
         check_tiles(self, "block_k", "block_m")
         check_warps(self, "num_warps")
         check_positive(self, "num_stages")

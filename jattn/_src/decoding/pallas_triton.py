@@ -37,11 +37,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.decoding.common import DecodeProblem, combine_splits, kv_lists
+from jattn._src.pallas_triton_compile import compiler_params
 from jattn._src.pallas_triton_lookup import call_in_kernel
 
 
@@ -238,8 +238,8 @@ def forward(p: DecodeProblem, q, k, v, q_start, kv_len, page_table, lists, score
         out_shape=[jax.ShapeDtypeStruct((splits, programs, rows_m, ev_pad), jnp.float32),
                    jax.ShapeDtypeStruct((splits, programs, rows_m), jnp.float32),
                    jax.ShapeDtypeStruct((splits, programs, rows_m), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=p.config.num_warps,
-                                             num_stages=p.config.num_stages),
+        compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
+                                        compiler=p.config.compiler),
         interpret=p.implementation == "interpret",
         name="jattn_flex_decode",
     )(q_rows, k, v, *inputs)
