@@ -108,17 +108,21 @@ class TranslatedMod:
         return lambda *args: self.fn(arrays, *args)
 
 
-def _example_args(kind: str):
-    index = lambda *shape: torch.zeros(shape, dtype=torch.int32)  # noqa: E731
+def _example_args(mod: Callable, kind: str):
+    """Small index tensors (and a score tile) to trace `mod` with, on the device of the first
+    tensor it closes over: a mod over CUDA tables cannot mix them with CPU tiles."""
+    cells = [cell.cell_contents for cell in getattr(mod, "__closure__", None) or ()]
+    device = next((x.device for x in cells if isinstance(x, torch.Tensor)), "cpu")
+    index = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
     args = (index(1, 1), index(1, 1), index(2, 1), index(1, 2))
-    return (torch.zeros(2, 2), *args) if kind == "score" else args
+    return (torch.zeros(2, 2, device=device), *args) if kind == "score" else args
 
 
 def translate(mod: Callable, kind: str) -> TranslatedMod:
     """A torch-written mod ('score' or 'mask') as a JAX function. Raises NotImplementedError
     naming any aten op without a translation; other tracing errors propagate."""
     with torch.no_grad():
-        graph_module = make_fx(mod)(*_example_args(kind))
+        graph_module = make_fx(mod)(*_example_args(mod, kind))
     names, captures = [], []
     for node in graph_module.graph.nodes:
         if node.op == "get_attr" and node.target not in names:
@@ -160,7 +164,7 @@ def is_torch_mod(mod: Callable, kind: str) -> bool:
     """Whether `mod` runs on torch tensors (a JAX mod such as `jattn.mods.softcap` does not)."""
     try:
         with torch.no_grad():
-            out = mod(*_example_args(kind))
+            out = mod(*_example_args(mod, kind))
     except Exception:  # noqa: BLE001  (any failure on torch tensors means "not a torch mod")
         return False
     return isinstance(out, torch.Tensor)  # jnp functions may accept tensors but return arrays

@@ -8,11 +8,13 @@ otherwise.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import torch
 
 import jattn
-from interop import _dlpack, _ops  # _ops registers torch.ops.jattn.*
+from interop import _decode_ops, _dlpack, _ops  # they register torch.ops.jattn.*
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -101,3 +103,141 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]
     return BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flex decoding and the paged KV cache
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A paged KV cache of torch tensors, in `jattn.PagedKVCache`'s layout (see its docstring):
+
+    k_pages [Hkv, num_pages, page_size, E], v_pages [Hkv, num_pages, page_size, Ev]: contiguous,
+    one dtype; page_table [B, max_pages] int32 maps logical page j of sequence b to a physical
+    page, -1 where none is assigned yet. Capacity per sequence: max_pages · page_size. Pass it
+    to `flex_decode` as `k` with v=None. `assign` writes into the pools in place (JAX reads the
+    same memory, no copy); which pages a sequence gets is the caller's choice.
+    """
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    page_table: torch.Tensor
+
+    def __post_init__(self):
+        k, v, table = self.k_pages, self.v_pages, self.page_table
+        if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"PagedKVCache: k_pages {list(k.shape)} and v_pages "
+                             f"{list(v.shape)} must be [Hkv, num_pages, page_size, dim] with "
+                             "equal first three axes.")
+        if k.dtype != v.dtype or not (k.is_contiguous() and v.is_contiguous()):
+            raise TypeError(f"PagedKVCache: k_pages ({k.dtype}) and v_pages ({v.dtype}) must "
+                            "share a dtype and be contiguous (assign writes through views).")
+        if table.dim() != 2 or table.dtype != torch.int32:
+            raise ValueError(f"PagedKVCache: page_table must be an int32 [B, max_pages] tensor, "
+                             f"got {table.dtype} {list(table.shape)}.")
+
+    @classmethod
+    def create(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+               page_table, *, dtype=torch.bfloat16, value_dim: int | None = None,
+               device="cpu") -> PagedKVCache:
+        """Zeroed pools on `device` and the given page table [B, max_pages] (int, -1:
+        unassigned), as `jattn.PagedKVCache.create`."""
+        for name, value in (("num_pages", num_pages), ("page_size", page_size),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"PagedKVCache.create: `{name}` must be a positive int, got "
+                                 f"{value!r}.")
+        value_dim = head_dim if value_dim is None else value_dim
+        pools = [torch.zeros((num_kv_heads, num_pages, page_size, dim), dtype=dtype,
+                             device=device) for dim in (head_dim, value_dim)]
+        table = torch.as_tensor(page_table, device=device).to(torch.int32)
+        _decode_ops.check_page_table("PagedKVCache.create", table, num_pages)
+        return cls(*pools, table)
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """Logical positions per sequence: page-table width x page size."""
+        return self.page_table.shape[1] * self.page_size
+
+    def assign(self, k: torch.Tensor, v: torch.Tensor, positions, *,
+               batch_idx=None) -> PagedKVCache:
+        """Writes new tokens k [Bn, Hkv, Ln, E], v [Bn, Hkv, Ln, Ev] (cast to the pools' dtype)
+        into the pools in place, as `jattn.PagedKVCache.assign`; returns this cache.
+
+        positions: int [Bn] (the first new token's position; the rest follow) or [Bn, Ln].
+        batch_idx: int [Bn], the page-table rows the tokens belong to (default: all B, in
+        order). A position outside the capacity or on an unassigned page raises ValueError,
+        checked on the host before anything is written (on CUDA a small read that waits for the
+        GPU: an out-of-range index would otherwise be a device-side assert).
+        """
+        slots = _decode_ops.token_slots(self.k_pages, self.v_pages, self.page_table, k, v,
+                                        positions, batch_idx)
+        for pages, new in ((self.k_pages, k), (self.v_pages, v)):
+            flat = pages.view(pages.shape[0], -1, pages.shape[3])  # [Hkv, pool rows, dim]
+            flat[:, slots] = new.transpose(0, 1).reshape(flat.shape[0], -1, flat.shape[2]).to(
+                pages.dtype)
+        return self
+
+
+def _decode_mask_tensors(block_mask, S: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """A torch BlockMask's lists (zero-copy), block size and (Q_LEN, KV_LEN), for a cache of
+    length S."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError("flex_decode: `block_mask` must be a torch BlockMask (from "
+                        "interop.torch.create_block_mask or torch's create_block_mask), got "
+                        f"{type(block_mask).__name__}.")
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    if KV_LEN != S or Q_LEN < S:
+        raise ValueError(f"flex_decode: block_mask covers (Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); a "
+                         f"decode mask is indexed by absolute positions, so build it for ({S}, "
+                         f"{S}), the cache length (create_block_mask(mask_mod, B, H, {S}, {S})).")
+    tensors, block_size = _mask_tensors(block_mask, Q_LEN, KV_LEN)
+    return tensors, block_size, [Q_LEN, KV_LEN]
+
+
+def flex_decode(q: torch.Tensor, k, v: torch.Tensor | None, score_mod=None, block_mask=None, *,
+                kv_len=None, scale: float | None = None, return_lse: bool = False,
+                implementation: str | None = None):
+    """`jattn.flex_decode` on torch tensors: a few new queries per sequence over a KV cache.
+
+    q [B, Hq, Lq, E] (Lq 1-16 runs the decode kernel); k, v a contiguous cache [B|1, Hkv, S, E]
+    and [B|1, Hkv, S, Ev], or k a `PagedKVCache` (S: its capacity) and v None. bfloat16,
+    float16 or float32, one dtype, one device; Hq % Hkv == 0. Query i of sequence b sits at
+    position kv_len[b] - Lq + i, the q_idx the mods see. score_mod: torch-written or JAX, as in
+    `flex_attention`. block_mask: a torch BlockMask built for (S, S) at logical positions.
+    kv_len: an int or an int32/int64 tensor [B] of valid keys per sequence, in [0, S] (default
+    S). Out-of-range values raise ValueError where the host has them (an int; kv_len and the
+    page table on the CPU); CUDA tensors are not read back, and a sequence with a bad length or
+    an unassigned page below it comes out NaN, as jattn.flex_decode under jit.
+    Returns out [B, Hq, Lq, Ev] of q's dtype (and the float32 natural-log LSE [B, Hq, Lq] with
+    return_lse). Inference only: with grad mode on, an input (or tensor the mods close over)
+    that requires grad raises NotImplementedError; train with `flex_attention`.
+    """
+    if isinstance(k, PagedKVCache):
+        if v is not None:
+            raise ValueError("flex_decode: with a PagedKVCache as `k`, pass v=None (the cache "
+                             "holds both pools).")
+        k, v, page_table, S = k.k_pages, k.v_pages, k.page_table, k.capacity
+    elif isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
+        page_table, S = None, k.shape[-2]
+    else:
+        raise TypeError(f"flex_decode: `k` and `v` must be torch tensors [B|1, Hkv, S, dim], or "
+                        f"`k` an interop.torch.PagedKVCache and v None; got "
+                        f"{type(k).__name__} and {type(v).__name__}.")
+    mask_tensors, block_size, seq_lengths = [], [128, 128], [S, S]
+    if block_mask is not None:
+        mask_tensors, block_size, seq_lengths = _decode_mask_tensors(block_mask, S)
+    mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
+    out, lse = _decode_ops.flex_decode(q, k, v, page_table,
+                                       _decode_ops.kv_len_tensor(kv_len, q, S), mask_tensors,
+                                       _ops.mod_captures(mods), mods, block_size, seq_lengths,
+                                       scale, implementation)
+    return (out, lse) if return_lse else out

@@ -91,9 +91,10 @@ def test_masks_and_mods(impl, mask, mod):
 
 
 @pytest.mark.parametrize("mask,mod", [("causal", "none"), ("document", "alibi"),
-                                      ("sliding", "relative")])
+                                      ("sliding", "relative"), ("none", "softcap")])
 def test_masks_and_mods_in_the_interpreter(mask, mod):
-    """The Pallas kernels' logic on the CPU: masks, captured-array lookups, partial blocks."""
+    """The Pallas kernels' logic on the CPU: masks, captured-array lookups, partial blocks, no
+    BlockMask over ragged key tiles."""
     _masks_and_mods("interpret", mask, mod)
 
 
@@ -113,8 +114,11 @@ def test_config_names_its_compiler():
     from jattn._src.attention.config import heuristic_config
 
     chosen = heuristic_config(64, (128, 128), masked=True, triton_compiler=True)
-    assert (chosen.block_q, chosen.block_k, chosen.compiler) == (128, 128, "triton")
+    assert (chosen.block_q, chosen.block_k, chosen.compiler) == (128, 64, "triton")
     assert heuristic_config(64, (128, 128), masked=True).compiler == "xla"
+    assert heuristic_config(128, (128, 128), masked=False, triton_compiler=True).compiler == (
+        "triton")
+    assert heuristic_config(128, (128, 128), masked=True, triton_compiler=True).compiler == "xla"
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

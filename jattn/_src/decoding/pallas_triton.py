@@ -26,7 +26,9 @@ hides under the loads. Predicted, before any GPU run: B8/32k (512 programs of 64
 2.5-2.8 TB/s; B1/128k (264 programs of 62 tiles) 2.4-2.7 TB/s, of which the XLA combine and
 the launch take ~5-10 us of ~190 us; B1/8k (128 programs of 8 tiles, 33 MB) launch-bound near
 1-1.5 TB/s. The risk is the pipeliner: if Triton does not keep both loads in flight, a
-program waits one full latency per step and the rate falls towards 1 TB/s.
+program waits one full latency per step and the rate falls towards 1 TB/s. Measured (session 4
+sweep at B8/32k): 3 stages 2672 GB/s, 4 stages 2874 (the default since), 128-row tiles
+2834-2853; other split counts than the heuristic's 8 were slower (2608-2718).
 """
 
 from __future__ import annotations
