@@ -107,10 +107,23 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 
 
 @functools.cache
-def _cu_stream_wait_event():
-    function = ctypes.CDLL("libcuda.so.1").cuStreamWaitEvent
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+def _driver(name: str):
+    """A CUDA driver function taking pointer-sized handles (and a trailing flags int)."""
+    function = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + (
+        [ctypes.c_uint] if name == "cuStreamWaitEvent" else [])
     return function
+
+
+def _check(status: int, call: str) -> None:
+    if status:
+        raise RuntimeError(f"{call} failed with CUDA error {status}.")
+
+
+def _torch_stream(index: int) -> int:
+    """torch's current stream on GPU `index`, as a raw handle (a few times cheaper than
+    `torch.cuda.current_stream`, which builds a Stream object)."""
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 @functools.cache
@@ -126,8 +139,10 @@ def _jax_compute_stream(index: int) -> int:
 
 
 @functools.cache  # one event per device: a wait takes the event's state when it is queued
-def _torch_event(index: int) -> torch.cuda.Event:
-    return torch.cuda.Event()
+def _event(index: int) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(index))  # torch creates the CUDA event on first use
+    return event
 
 
 def wait_for_torch(device: torch.device) -> None:
@@ -136,20 +151,19 @@ def wait_for_torch(device: torch.device) -> None:
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    event = _torch_event(index)
-    event.record(torch.cuda.current_stream(index))
-    status = _cu_stream_wait_event()(_jax_compute_stream(index), event.cuda_event, 0)
-    if status:
-        raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
+    event = _event(index).cuda_event
+    _check(_driver("cuEventRecord")(event, _torch_stream(index)), "cuEventRecord")
+    _check(_driver("cuStreamWaitEvent")(_jax_compute_stream(index), event, 0),
+           "cuStreamWaitEvent")
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
     """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
     on torch's current stream waits for the computation that produces it."""
-    device = next(iter(array.devices()))
+    device = array.device
     if device.platform != "gpu" or _export_capsule is None:
         return torch.from_dlpack(array)
-    stream = torch.cuda.current_stream(device.local_hardware_id).cuda_stream
+    stream = _torch_stream(device.local_hardware_id)
     return torch.utils.dlpack.from_dlpack(_export_capsule(array, stream=stream))
 
 
