@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jattn._src.attention.common import Mods
 from jattn._src.constants import LOG2_E, MIN_DOT_TILE
-from jattn._src.decoding.config import DecodeConfig, choose_num_splits, heuristic_config
+from jattn._src.decoding.config import (DecodeConfig, choose_num_splits, heuristic_config,
+                                        heuristic_stages)
 from jattn._src.gemm.config import NUM_SMS
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.tiling import cdiv, next_power_of_two
@@ -100,6 +101,7 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
     """The kernel's DecodeProblem. score_mod/mask_mod (None: absent) come wrapped by the
     attention checks; their captured arrays are added to score_set/mask_set."""
     mask_block = block_mask.block_size[1] if block_mask is not None else None
+    chosen = config is None
     config = config or heuristic_config(page_size=page_size, mask_block=mask_block)
     config.check_fits(page_size=page_size, mask_block=mask_block)
     groups = Hq // Hkv
@@ -112,6 +114,9 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
     splits = config.num_splits or choose_num_splits(B * Hkv * (groups // heads_per_tile),
                                                     cdiv(S, config.block_k), num_sms())
     config = dataclasses.replace(config, num_splits=splits)
+    if chosen:
+        config = dataclasses.replace(
+            config, num_stages=heuristic_stages(cdiv(cdiv(S, config.block_k), splits)))
     bk = config.block_k
     index_sig = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((block_m, 1), jnp.int32),
                  jax.ShapeDtypeStruct((block_m, 1), jnp.int32),

@@ -46,7 +46,7 @@ class DecodeConfig:
     block_k: int = 64
     block_m: int = 64
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
     num_splits: int | None = None
     compiler: str = "xla"
 
@@ -75,6 +75,17 @@ def heuristic_config(*, page_size: int | None, mask_block: int | None) -> Decode
     config = DecodeConfig(block_k=block_k)
     config.check_fits(page_size=page_size, mask_block=mask_block)
     return config
+
+
+# The heuristic pipelines 4 stages deep when a split streams at least this many tiles, else 3:
+# H100, session 4 (GB/s, 3 -> 4 stages): 64 tiles per split (B8/32k) 2672 -> 2874, 256 (B8/128k)
+# 2662 -> 2848; but 8 (B1/8k) 1183 -> 933 and 16 (B1/32k) 2198 -> 2134, where filling the
+# deeper pipeline is a larger share of a short run; 32 and 62 tiles: equal within 1%.
+DEEP_PIPELINE_TILES = 48
+
+
+def heuristic_stages(tiles_per_split: int) -> int:
+    return 4 if tiles_per_split >= DEEP_PIPELINE_TILES else 3
 
 
 def _wave_efficiency(programs: int, slots: int) -> float:
