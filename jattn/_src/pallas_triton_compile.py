@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import re
 import tempfile
@@ -67,6 +68,7 @@ def _gpus() -> list:
         return []
 
 
+@functools.cache  # a kernel lowered again (another jit of the same call) compiles once
 def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
     import triton
     from triton._C.libtriton import ir
@@ -76,22 +78,34 @@ def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
     target = GPUTarget("cuda", capability, 32)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     backend = make_backend(target)
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.ttir")  # triton reads IR from a .ttir file
-        with open(path, "w") as f:
-            f.write(ttir)
-        # `triton.compile` skips the Triton-IR passes for IR given as a file; without them
-        # `acc * alpha + dot(p, v)` keeps the dot's result apart from acc (no rewrite into
-        # dot(p, v, acc)), a second [block_q, Ev] float32 tile that spilled at D=128.
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        module = ir.parse_mlir_module(path, context)
-        module.context = context
-        backend.make_ttir(module, {}, backend.parse_options(options), capability)
-        with open(path, "w") as f:
-            f.write(str(module))
-        return triton.compile(path, target=target, options=options)
+    # Triton reads IR from a file and writes its path into the IR's locations, and its on-disk
+    # cache keys on the IR text: a path named by the kernel's content lets a later process
+    # reuse the compiled kernel (a cold compile costs seconds).
+    key = hashlib.sha256(f"{ttir}|{num_warps}|{num_stages}|{capability}".encode()).hexdigest()
+    folder = os.path.join(tempfile.gettempdir(), "jattn-triton-ir")
+    os.makedirs(folder, exist_ok=True)
+    source, optimized = (os.path.join(folder, f"{key[:32]}{suffix}.ttir")
+                         for suffix in ("-in", ""))
+    _write(source, ttir)
+    # `triton.compile` skips the Triton-IR passes for IR given as a file; without them
+    # `acc * alpha + dot(p, v)` keeps the dot's result apart from acc (no rewrite into
+    # dot(p, v, acc)), a second [block_q, Ev] float32 tile that spilled at D=128.
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(source, context)
+    module.context = context
+    backend.make_ttir(module, {}, backend.parse_options(options), capability)
+    _write(optimized, str(module))
+    return triton.compile(optimized, target=target, options=options)
+
+
+def _write(path: str, text: str) -> None:
+    """Writes `text` to `path` atomically (processes may compile the same kernel at once)."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(handle, "w") as f:
+        f.write(text)
+    os.replace(temporary, path)
 
 
 def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_output_aliases,
