@@ -4,8 +4,9 @@ running `jax.vjp` of the same jattn function, so torch gradients equal JAX's bit
 
 Each op converts its tensors through `_dlpack` (zero-copy), calls a jitted JAX function (compiled
 once per shapes, dtypes and options by jit's cache) and hands the result back as a tensor.
-`run_op` uses the registered op under torch.compile and, in eager mode, an autograd.Function
-running the same implementation and gradient formula (the dispatcher's per-call cost avoided).
+`run_op` / `run_flex` use the registered op under torch.compile and, in eager mode, an
+autograd.Function running the same implementation and gradient formula (the dispatcher's
+per-call cost avoided).
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ def _ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
     return device
 
 
-def _arrays(**tensors: Tensor | None) -> list[jax.Array | None]:
-    return [None if t is None else to_jax(t, name) for name, t in tensors.items()]
+def _arrays(**tensors: Tensor | jax.Array | None) -> list[jax.Array | None]:
+    """JAX views of the tensors; JAX arrays (kept from a forward) and None pass through."""
+    return [t if t is None or isinstance(t, jax.Array) else to_jax(t, name)
+            for name, t in tensors.items()]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,7 +245,10 @@ def _flex(q, k, v, mask_arrays, captures, **static):
 
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
 def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **static):
-    """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse."""
+    """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse;
+    d_lse None: the LSE was not returned (zero cotangent)."""
+    if d_lse is None:
+        d_lse = jnp.zeros(lse.shape, jnp.float32)
     dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, **static)(
         q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
         captures=captures)
@@ -269,18 +275,23 @@ def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths,
                 implementation=implementation_for("flex_attention", device, implementation))
 
 
+def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static) -> tuple[jax.Array, ...]:
+    """jattn::flex_attention's (out, lse) as JAX arrays."""
+    static = _flex_static(q, k, v, mask_tensors, captures, *static)
+    return _flex(*_arrays(q=q, k=k, v=v), _arrays(**_named_masks(mask_tensors)),
+                 _arrays(**_named_captures(captures)), **static)
+
+
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
                   captures: list[Tensor], mods: str, block_size: list[int],
                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
                   implementation: Optional[str]) -> tuple[Tensor, Tensor]:
-    static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
-                          enable_gqa, implementation)
-    out, lse = _flex(*_arrays(q=q, k=k, v=v), _arrays(**_named_masks(mask_tensors)),
-                     _arrays(**_named_captures(captures)), **static)
+    out, lse = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods, block_size,
+                                    seq_lengths, scale, enable_gqa, implementation)
     return to_torch(out), to_torch(lse)
 
 
-def _flex_backward_op(d_out: Tensor, d_lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+def _flex_backward_op(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
                       out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
                       captures: list[Tensor], mods: str,
                       block_size: list[int], seq_lengths: list[int],
@@ -319,10 +330,9 @@ def _flex_setup_context(ctx, inputs, output):
     ctx.static = static
 
 
-def _flex_autograd(ctx, d_out, d_lse, backward=None):
-    """The op's gradients; `backward` runs the backward op (default: jattn::
-    flex_attention_backward, what torch.compile and opcheck must see)."""
-    backward = backward or flex_attention_backward
+def _flex_autograd(ctx, d_out, d_lse):
+    """The op's gradients, through jattn::flex_attention_backward (what torch.compile and
+    opcheck must see)."""
     q, k, v, out, lse, *rest = ctx.saved_tensors
     n_masks, n_captures = ctx.counts
     mask_tensors, captures = rest[:n_masks], rest[n_masks:n_masks + n_captures]
@@ -330,8 +340,8 @@ def _flex_autograd(ctx, d_out, d_lse, backward=None):
         d_lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
     if d_out is None:
         d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    dq, dk, dv, *d_floats = backward(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures,
-                                     *ctx.static)
+    dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, out, lse,
+                                                    mask_tensors, captures, *ctx.static)
     d_floats = iter(d_floats)
     d_captures = [next(d_floats) if c.is_floating_point() else None for c in captures]
     return (dq, dk, dv, [None] * n_masks, d_captures, None, None, None, None, None, None)
@@ -342,20 +352,36 @@ flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_conte
 
 class _EagerFlex(torch.autograd.Function):
     """jattn::flex_attention outside torch.compile; mask and captured tensors come flat so
-    autograd sees the captures."""
+    autograd sees the captures. The forward's out and LSE stay JAX arrays for the backward (no
+    crossing back), and the LSE crosses to torch only when the caller asked for it (each
+    crossing costs ~25 us)."""
 
     @staticmethod
-    def forward(ctx, static, n_masks, q, k, v, *rest):
-        inputs = (q, k, v, list(rest[:n_masks]), list(rest[n_masks:]), *static)
-        output = _flex_forward(*inputs)
-        _flex_setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx, static, n_masks, return_lse, q, k, v, *rest):
+        masks, captures = list(rest[:n_masks]), list(rest[n_masks:])
+        out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
+        out_tensor = to_torch(out)
+        ctx.save_for_backward(q, k, v, out_tensor, *masks, *captures)  # version checks
+        ctx.arrays, ctx.n_masks, ctx.static = (out, lse), n_masks, static
+        return (out_tensor, to_torch(lse)) if return_lse else out_tensor
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
-        dq, dk, dv, _, d_captures, *_ = _flex_autograd(ctx, d_out, d_lse, _flex_backward_op)
-        return None, None, dq, dk, dv, *[None] * ctx.counts[0], *d_captures
+    def backward(ctx, d_out, d_lse=None):
+        q, k, v, _, *rest = ctx.saved_tensors
+        masks, captures = rest[:ctx.n_masks], rest[ctx.n_masks:]
+        if d_out is None:
+            d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        grads = iter(_flex_backward_op(d_out, d_lse, q, k, v, *ctx.arrays, masks, captures,
+                                       *ctx.static))
+        dq, dk, dv = next(grads), next(grads), next(grads)
+        d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
+        return None, None, None, dq, dk, dv, *[None] * ctx.n_masks, *d_captures
 
 
-_EAGER["flex_attention"] = lambda q, k, v, masks, captures, *static: _EagerFlex.apply(
-    static, len(masks), q, k, v, *masks, *captures)
+def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
+    """jattn::flex_attention: (out, lse) under torch.compile (lse dropped unless asked for),
+    else its eager twin."""
+    if torch.compiler.is_compiling():
+        out, lse = torch.ops.jattn.flex_attention(q, k, v, masks, captures, *static)
+        return (out, lse) if return_lse else out
+    return _EagerFlex.apply(static, len(masks), return_lse, q, k, v, *masks, *captures)

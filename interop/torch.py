@@ -78,9 +78,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=
     if block_mask is not None:
         mask_tensors, block_size = _mask_tensors(block_mask, L, S)
     mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
-    out, lse = _ops.run_op("flex_attention", q, k, v, mask_tensors, _ops.mod_captures(mods),
-                         mods, block_size, [L, S], scale, enable_gqa, implementation)
-    return (out, lse) if return_lse else out
+    return _ops.run_flex(q, k, v, mask_tensors, _ops.mod_captures(mods), mods, block_size,
+                         [L, S], scale, enable_gqa, implementation, return_lse=return_lse)
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, *,
