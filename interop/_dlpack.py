@@ -107,17 +107,10 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 
 
 @functools.cache
-def _driver(name: str):
-    """A CUDA driver function taking pointer-sized handles (and a trailing flags int)."""
-    function = getattr(ctypes.CDLL("libcuda.so.1"), name)
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + (
-        [ctypes.c_uint] if name == "cuStreamWaitEvent" else [])
+def _cu_stream_wait_event():
+    function = ctypes.CDLL("libcuda.so.1").cuStreamWaitEvent
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     return function
-
-
-def _check(status: int, call: str) -> None:
-    if status:
-        raise RuntimeError(f"{call} failed with CUDA error {status}.")
 
 
 def _torch_stream(index: int) -> int:
@@ -140,9 +133,7 @@ def _jax_compute_stream(index: int) -> int:
 
 @functools.cache  # one event per device: a wait takes the event's state when it is queued
 def _event(index: int) -> torch.cuda.Event:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(index))  # torch creates the CUDA event on first use
-    return event
+    return torch.cuda.Event()
 
 
 def wait_for_torch(device: torch.device) -> None:
@@ -151,10 +142,13 @@ def wait_for_torch(device: torch.device) -> None:
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    event = _event(index).cuda_event
-    _check(_driver("cuEventRecord")(event, _torch_stream(index)), "cuEventRecord")
-    _check(_driver("cuStreamWaitEvent")(_jax_compute_stream(index), event, 0),
-           "cuStreamWaitEvent")
+    event = _event(index)
+    # torch's record, not the driver's: it also makes the device's context current on this
+    # thread (autograd runs backward on its own threads, where a bare driver call fails).
+    event.record(torch.cuda.current_stream(index))
+    status = _cu_stream_wait_event()(_jax_compute_stream(index), event.cuda_event, 0)
+    if status:
+        raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
