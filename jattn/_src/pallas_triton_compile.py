@@ -1,13 +1,14 @@
 """Pallas-Triton kernels compiled by the Triton compiler itself, where it is installed.
 
 jax 0.11 hands a pallas_call's Triton IR to XLA, whose bundled Triton pipeline compiles it; for
-the flex attention forward at head dim 64 that code ran 10-20% slower on the H100 than the same
-IR compiled by the `triton` package (3.6, the compiler torch uses), measured in one run
-(benchmarks/RESULTS.md). A pallas_call given `compiler_params(..., compiler="triton")` is lowered
-to the same Triton IR by Pallas, compiled to PTX by `triton.compile`, and launched through
-jaxlib's `triton_kernel_call_ffi` custom call (the route jax <= 0.10 and jax-triton take). Where
-`triton` is missing, or a kernel would need Triton's global scratch memory, the call falls back
-to the stock lowering: same kernel, XLA's compiler.
+the flex attention forward that code ran slower on the H100 than the same IR compiled by the
+`triton` package (3.6, the compiler torch uses) at some configs and faster at others
+(benchmarks/RESULTS.md), so the kernel configs name their compiler. A pallas_call given
+`compiler_params(..., compiler="triton")` is lowered to the same Triton IR by Pallas, run
+through Triton's IR passes and compiled to PTX by the `triton` package, and launched through
+jaxlib's `triton_kernel_call_ffi` custom call (the route jax <= 0.10 and jax-triton take).
+Where `triton` is missing, or a kernel would need Triton's global scratch memory, the call falls
+back to the stock lowering: same kernel, XLA's compiler.
 """
 
 from __future__ import annotations
