@@ -128,11 +128,11 @@ _STATIC = ("mods", "block_size", "seq_lengths", "scale", "implementation")
 def _decode(q, k, v, page_table, kv_len, mask_arrays, captures, *, mods, block_size,
             seq_lengths, scale, implementation):
     """(out, lse) of jattn.flex_decode; with a page table, k and v are a PagedKVCache's pools."""
-    score, mask = _ops._MODS[mods]
+    score, mask = _ops.MODS[mods]
     n_score = 0 if score is None else len(score.captures)
     score_mod = None if score is None else score.bind(captures[:n_score])
     mask_mod = None if mask is None else mask.bind(captures[n_score:])
-    block_mask = _ops._jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
+    block_mask = _ops.jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
     if page_table is not None:
         k, v = jattn.PagedKVCache(k, v, page_table), None
     return jattn.flex_decode(q, k, v, score_mod, block_mask, kv_len=kv_len, scale=scale,
@@ -147,8 +147,8 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     """jattn::flex_decode. k, v: a contiguous cache, or with page_table [B, max_pages] int32 the
     pools of a paged one; kv_len: None or int [] / [B]. Returns out [B, Hq, Lq, Ev] (q's dtype)
     and the float32 LSE [B, Hq, Lq]."""
-    masks, named_captures = _ops._named_masks(mask_tensors), _ops._named_captures(captures)
-    device = _ops._ready_device(_FN, q=q, k=k, v=v, page_table=page_table, kv_len=kv_len,
+    masks, named_captures = _ops.named_masks(mask_tensors), _ops.named_captures(captures)
+    device = _ops.ready_device(_FN, q=q, k=k, v=v, page_table=page_table, kv_len=kv_len,
                                 **masks, **named_captures)
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])
@@ -182,7 +182,7 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor],
     """jattn::flex_decode: the custom-op node under torch.compile; in eager mode its
     implementation, called directly (nothing for autograd to record, and the dispatcher's
     per-call cost saved)."""
-    check_no_grad(q=q, k=k, v=v, **_ops._named_captures(captures))
+    check_no_grad(q=q, k=k, v=v, **_ops.named_captures(captures))
     if torch.compiler.is_compiling():
         return flex_decode_op(q, k, v, page_table, kv_len, mask_tensors, captures, *static)
     return _decode_forward(q, k, v, page_table, kv_len, mask_tensors, captures, *static)

@@ -40,7 +40,7 @@ def implementation_for(fn: str, device: torch.device, implementation: Optional[s
     return implementation
 
 
-def _ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
+def ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
     """The one device of the op's tensors; on CUDA, JAX's next kernels there are ordered after
     the work queued so far on torch's current stream."""
     device = same_device(fn, **tensors)
@@ -86,14 +86,14 @@ def _gemm_vjp(grad, a, b, bias, *, kind: str, implementation: str):
 
 def _run_gemm(kind: str, a: Tensor, b: Tensor, bias: Optional[Tensor],
               implementation: Optional[str]) -> Tensor:
-    device = _ready_device(kind, a=a, b=b, bias=bias)
+    device = ready_device(kind, a=a, b=b, bias=bias)
     impl = implementation_for(kind, device, implementation)
     return to_torch(_gemm(*_arrays(a=a, b=b, bias=bias), kind=kind, implementation=impl))
 
 
 def _run_gemm_backward(kind: str, grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
                        implementation: Optional[str]) -> list[Tensor]:
-    device = _ready_device(kind, grad=grad, a=a, b=b, bias=bias)
+    device = ready_device(kind, grad=grad, a=a, b=b, bias=bias)
     impl = implementation_for(kind, device, implementation)
     grads = _gemm_vjp(*_arrays(grad=grad, a=a, b=b, bias=bias), kind=kind, implementation=impl)
     return [to_torch(g) for g in grads if g is not None]
@@ -166,7 +166,7 @@ bmm, bmm_backward = _register_gemm("bmm", _bmm_fake)
 
 # Mods cannot be op arguments, so ops receive a key into this registry (a constant string in a
 # torch.compile graph), translated to JAX once per key.
-_MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
+MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
 _MOD_OBJECTS: dict[str, tuple] = {}  # the mods themselves: keeps the ids in each key alive
 
 
@@ -194,15 +194,15 @@ def _identity(mod) -> str:
 def register_mods(score_mod, mask_mod) -> str:
     """The op key for a (score_mod, mask_mod) pair, each torch-written, JAX or None."""
     key = f"score:{_identity(score_mod)}/mask:{_identity(mask_mod)}"
-    if key not in _MODS:
-        _MODS[key] = (as_jax_mod(score_mod, "score"), as_jax_mod(mask_mod, "mask"))
+    if key not in MODS:
+        MODS[key] = (as_jax_mod(score_mod, "score"), as_jax_mod(mask_mod, "mask"))
         _MOD_OBJECTS[key] = (score_mod, mask_mod)
     return key
 
 
 def mod_captures(key: str) -> list[Tensor]:
     """The torch tensors the mods of `key` close over: score_mod's, then mask_mod's."""
-    return [t for mod in _MODS[key] if mod is not None for t in mod.captures]
+    return [t for mod in MODS[key] if mod is not None for t in mod.captures]
 
 
 # Order of a BlockMask's lists among an op's mask tensors: partial lists, then full ones if any.
@@ -210,7 +210,7 @@ MASK_FIELDS = ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
                "full_kv_num_blocks", "full_kv_indices", "full_q_num_blocks", "full_q_indices")
 
 
-def _jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
+def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
     if not arrays:
         return None
     fields = dict.fromkeys(MASK_FIELDS)
@@ -222,13 +222,13 @@ def _jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
 def _flex_call(fn, mods, block_size, seq_lengths, scale, enable_gqa, implementation):
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists and the
     capture arrays: `fn` is jattn's flex_attention or its backward."""
-    score, mask = _MODS[mods]
+    score, mask = MODS[mods]
     n_score = 0 if score is None else len(score.captures)
 
     def call(q, k, v, *rest, mask_arrays, capture_arrays, **kwargs):
         score_mod = None if score is None else score.bind(capture_arrays[:n_score])
         mask_mod = None if mask is None else mask.bind(capture_arrays[n_score:])
-        block_mask = _jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
+        block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
         return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
                   implementation=implementation, **kwargs)
     return call
@@ -257,19 +257,19 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
                          for c, d, wanted in zip(captures, d_captures, learnable) if wanted)
 
 
-def _named_masks(mask_tensors) -> dict[str, Tensor]:
+def named_masks(mask_tensors) -> dict[str, Tensor]:
     return dict(zip(MASK_FIELDS, mask_tensors))
 
 
-def _named_captures(captures) -> dict[str, Tensor]:
+def named_captures(captures) -> dict[str, Tensor]:
     return {f"captured tensor {i}": t for i, t in enumerate(captures)}
 
 
 def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                  enable_gqa, implementation):
     """The static jit arguments of a flex op call, once torch's work on the device is done."""
-    device = _ready_device("flex_attention", q=q, k=k, v=v, **_named_masks(mask_tensors),
-                           **_named_captures(captures))
+    device = ready_device("flex_attention", q=q, k=k, v=v, **named_masks(mask_tensors),
+                           **named_captures(captures))
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
                 implementation=implementation_for("flex_attention", device, implementation))
@@ -278,8 +278,8 @@ def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths,
 def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static) -> tuple[jax.Array, ...]:
     """jattn::flex_attention's (out, lse) as JAX arrays."""
     static = _flex_static(q, k, v, mask_tensors, captures, *static)
-    return _flex(*_arrays(q=q, k=k, v=v), _arrays(**_named_masks(mask_tensors)),
-                 _arrays(**_named_captures(captures)), **static)
+    return _flex(*_arrays(q=q, k=k, v=v), _arrays(**named_masks(mask_tensors)),
+                 _arrays(**named_captures(captures)), **static)
 
 
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
@@ -301,8 +301,8 @@ def _flex_backward_op(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tens
     static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                           enable_gqa, implementation)
     grads = _flex_backward(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v, out=out, lse=lse),
-                           _arrays(**_named_masks(mask_tensors)),
-                           _arrays(**_named_captures(captures)), **static)
+                           _arrays(**named_masks(mask_tensors)),
+                           _arrays(**named_captures(captures)), **static)
     return [to_torch(g) for g in grads]
 
 

@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jattn._src import platform
 from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
-from jattn._src.attention.common import Mods, Problem
+from jattn._src.attention.common import Mods, Problem, checked_mask_mod, checked_score_mod
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.decoding import common as decoding
 from jattn._src.decoding import pallas_triton as decoding_kernel
@@ -102,30 +102,6 @@ def _tile_signature(block_q: int, block_k: int, *, transposed: bool = False):
         return score, (_i32(), _i32(), _i32(1, block_q), _i32(block_k, 1))
     score = jax.ShapeDtypeStruct((block_q, block_k), jnp.float32)
     return score, (_i32(), _i32(), _i32(block_q, 1), _i32(1, block_k))
-
-
-def _checked_score_mod(score_mod: ScoreMod) -> ScoreMod:
-    def checked(score, b, h, q_idx, kv_idx):
-        out = score_mod(score, b, h, q_idx, kv_idx)
-        if jnp.shape(out) != score.shape or not jnp.issubdtype(jnp.result_type(out),
-                                                               jnp.floating):
-            raise ValueError(f"score_mod must return a float array shaped like its score "
-                             f"{list(score.shape)}, got {jnp.result_type(out)}"
-                             f"{list(jnp.shape(out))}.")
-        return out.astype(jnp.float32)
-    return checked
-
-
-def _checked_mask_mod(mask_mod) -> Callable[..., jax.Array]:
-    def checked(b, h, q_idx, kv_idx):
-        out = mask_mod(b, h, q_idx, kv_idx)
-        if jnp.result_type(out) != jnp.bool_:
-            raise TypeError(f"mask_mod must return bool, got {jnp.result_type(out)}; compare "
-                            "instead (e.g. `q_idx >= kv_idx`).")
-        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx), jnp.shape(b),
-                                     jnp.shape(h))
-        return jnp.broadcast_to(out, shape)
-    return checked
 
 
 def _trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet, score_sig,
@@ -292,8 +268,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     implementation = platform.resolve_implementation(implementation)
     scale = float(E ** -0.5 if scale is None else scale)
 
-    score_mod = None if score_mod is None else _checked_score_mod(score_mod)
-    mask_mod = None if block_mask.mask_mod is None else _checked_mask_mod(block_mask.mask_mod)
+    score_mod = None if score_mod is None else checked_score_mod(score_mod)
+    mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod)
     score_set, mask_set = CaptureSet(), CaptureSet()
     score_sig, index_sig = xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1])
     xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)

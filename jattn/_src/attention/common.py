@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from jattn._src.attention.config import AttentionConfig
 from jattn._src.user_functions import TracedFunction
@@ -54,3 +58,31 @@ class Problem:
     @property
     def groups(self) -> int:
         return self.Hq // self.Hkv
+
+
+def checked_score_mod(score_mod: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """score_mod, raising a clear error when its result is not a float array shaped like the
+    score; the result is float32."""
+    def checked(score, b, h, q_idx, kv_idx):
+        out = score_mod(score, b, h, q_idx, kv_idx)
+        if jnp.shape(out) != score.shape or not jnp.issubdtype(jnp.result_type(out),
+                                                               jnp.floating):
+            raise ValueError(f"score_mod must return a float array shaped like its score "
+                             f"{list(score.shape)}, got {jnp.result_type(out)}"
+                             f"{list(jnp.shape(out))}.")
+        return out.astype(jnp.float32)
+    return checked
+
+
+def checked_mask_mod(mask_mod: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """mask_mod, raising a clear error when its result is not bool; the result is broadcast
+    to the indices' shape."""
+    def checked(b, h, q_idx, kv_idx):
+        out = mask_mod(b, h, q_idx, kv_idx)
+        if jnp.result_type(out) != jnp.bool_:
+            raise TypeError(f"mask_mod must return bool, got {jnp.result_type(out)}; compare "
+                            "instead (e.g. `q_idx >= kv_idx`).")
+        shape = jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx), jnp.shape(b),
+                                     jnp.shape(h))
+        return jnp.broadcast_to(out, shape)
+    return checked

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import platform
-from jattn._src.attention.api import _checked_mask_mod, _checked_score_mod
+from jattn._src.attention.common import checked_mask_mod, checked_score_mod
 from jattn._src.decoding import pallas_triton, xla
 from jattn._src.decoding.common import MAX_DECODE_QUERIES, kv_lists, make_problem
 from jattn._src.decoding.config import DecodeConfig
@@ -201,8 +201,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         problem = make_problem(
             B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch,
             page_size=page_size, num_pages=num_pages, block_mask=block_mask,
-            score_mod=None if score_mod is None else _checked_score_mod(score_mod),
-            mask_mod=None if mask_mod is None else _checked_mask_mod(mask_mod),
+            score_mod=None if score_mod is None else checked_score_mod(score_mod),
+            mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod),
             score_set=score_set, mask_set=mask_set, static_length=static_length, scale=scale,
             implementation=implementation, config=config)
         if cache is not None:
