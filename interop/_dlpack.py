@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import weakref
 
 import jax
@@ -131,9 +132,16 @@ def _jax_compute_stream(index: int) -> int:
     return seen[0]
 
 
-@functools.cache  # one event per device: a wait takes the event's state when it is queued
+# Events per thread and device, reused: a wait takes the event's state when it is queued, and
+# a thread's record and wait are not interleaved with another thread's.
+_THREAD = threading.local()
+
+
 def _event(index: int) -> torch.cuda.Event:
-    return torch.cuda.Event()
+    events = _THREAD.__dict__.setdefault("events", {})
+    if index not in events:
+        events[index] = torch.cuda.Event()
+    return events[index]
 
 
 def wait_for_torch(device: torch.device) -> None:
