@@ -149,7 +149,7 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     and the float32 LSE [B, Hq, Lq]."""
     masks, named_captures = _ops.named_masks(mask_tensors), _ops.named_captures(captures)
     device = _ops.ready_device(_FN, q=q, k=k, v=v, page_table=page_table, kv_len=kv_len,
-                                **masks, **named_captures)
+                               **masks, **named_captures)
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])
     if device.type == "cpu":  # CUDA values are not read back (module docstring)

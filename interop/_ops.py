@@ -267,9 +267,10 @@ def named_captures(captures) -> dict[str, Tensor]:
 
 def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
                  enable_gqa, implementation):
-    """The static jit arguments of a flex op call, once torch's work on the device is done."""
+    """The static jit arguments of a flex op call (JAX's stream on the device then ordered
+    after torch's queued work)."""
     device = ready_device("flex_attention", q=q, k=k, v=v, **named_masks(mask_tensors),
-                           **named_captures(captures))
+                          **named_captures(captures))
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
                 implementation=implementation_for("flex_attention", device, implementation))
