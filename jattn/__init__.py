@@ -13,6 +13,7 @@ from jattn._src.gemm.b2b import b2b_matmul as b2b_matmul
 from jattn._src.gemm.config import B2BConfig as B2BConfig
 from jattn._src.gemm.config import MatmulConfig as MatmulConfig
 from jattn._src.gemm.mm_plus_mm import mm_plus_mm as mm_plus_mm
+from jattn._src.gemm.scaled_matmul import scaled_matmul as scaled_matmul
 from jattn._src.masks.block_mask import BlockMask as BlockMask
 from jattn._src.masks.create import create_block_mask as create_block_mask
 from jattn._src.masks.create import create_mask as create_mask

@@ -50,8 +50,10 @@ def _tile_coords(grid_ids: Sequence[Any], tiles_m: int, tiles_n: int, group_m: i
 
 def _matmul_kernel(*refs, m: int, n: int, ks: tuple[int, ...], config: MatmulConfig,
                    transpose_a: bool, transpose_b: bool, has_bias: bool, num_captures: int,
-                   epilogue: TracedFunction | None, save_preact: bool):
+                   epilogue: TracedFunction | None, save_preact: bool,
+                   scale_kinds: tuple[str, ...] = ()):
     operand_refs, refs = refs[:2 * len(ks)], refs[2 * len(ks):]
+    scale_refs, refs = refs[:len(scale_kinds)], refs[len(scale_kinds):]
     bias_ref = refs[0] if has_bias else None
     capture_refs = refs[int(has_bias):int(has_bias) + num_captures]
     out_refs = refs[int(has_bias) + num_captures:]
@@ -106,6 +108,10 @@ def _matmul_kernel(*refs, m: int, n: int, ks: tuple[int, ...], config: MatmulCon
         return
 
     # ---- epilogue on the fp32 tile --------------------------------------------------------------
+    # Scales come first (bias is in output units); each is a [bm, 1], [1, bn] or [1, 1] tile.
+    scale_masks = {"row": row_mask, "col": col_mask, "tensor": None}
+    for kind, scale_ref in zip(scale_kinds, scale_refs):
+        acc = acc * load(scale_ref, ..., scale_masks[kind])
     if has_bias:
         bias_mask = None if col_mask is None else col_mask[0]
         acc = acc + load(bias_ref, ..., bias_mask).astype(jnp.float32)[None, :]
@@ -158,10 +164,33 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, bias: jax
                    name="jattn_mm_plus_mm")
 
 
+def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                  bias: jax.Array | None, *, config: MatmulConfig, out_dtype,
+                  interpret: bool = False):
+    """(a @ b) * scale_a * scale_b (+ bias[None, :]) on fp8 operands, fp32 accumulation.
+
+    a: [M, K], b: [K, N], both the same float8 dtype; scale_a: [M, 1] (row-wise) or [1, 1]
+    (tensor-wise) float32; scale_b: [1, N] or [1, 1] float32; bias: [N] or None. Returns
+    [M, N] of out_dtype; config.split_k must be 1.
+    """
+    if config.split_k != 1:
+        raise ValueError(f"scaled_matmul runs without split-K, got split_k={config.split_k}.")
+    scales = [("tensor" if scale_a.size == 1 else "row", scale_a),
+              ("tensor" if scale_b.size == 1 else "col", scale_b)]
+    return _launch([(a, b)], bias, (), config=config, out_dtype=out_dtype, epilogue=None,
+                   save_preact=False, interpret=interpret, name="jattn_scaled_matmul",
+                   scales=scales)
+
+
 def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
             config: MatmulConfig, out_dtype, epilogue, save_preact: bool, interpret: bool,
-            name: str, transpose_a: bool = False, transpose_b: bool = False):
-    """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call."""
+            name: str, transpose_a: bool = False, transpose_b: bool = False,
+            scales: Sequence[tuple[str, jax.Array]] = ()):
+    """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call.
+
+    scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
+    "col" [1, N] or "tensor" [1, 1].
+    """
     a, b = pairs[0]
     m = a.shape[1] if transpose_a else a.shape[0]
     n = b.shape[0] if transpose_b else b.shape[1]
@@ -191,6 +220,12 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
             pl.BlockSpec((bn, k_span), lambda *ids: (cols(*ids), 0)) if transpose_b
             else pl.BlockSpec((k_span, bn), lambda *ids: (0, cols(*ids))),
         ]
+    scale_specs = {
+        "row": pl.BlockSpec((bm, 1), lambda *ids: (rows(*ids), 0)),
+        "col": pl.BlockSpec((1, bn), lambda *ids: (0, cols(*ids))),
+        "tensor": pl.BlockSpec((1, 1), lambda *ids: (0, 0)),
+    }
+    in_specs += [scale_specs[kind] for kind, _ in scales]
     if bias is not None:
         in_specs.append(pl.BlockSpec((bn,), lambda *ids: (cols(*ids),)))
     # Captured arrays stay whole in memory; the epilogue reads the elements it indexes.
@@ -211,8 +246,9 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     kernel = functools.partial(
         _matmul_kernel, m=m, n=n, ks=ks, config=config, transpose_a=transpose_a,
         transpose_b=transpose_b, has_bias=bias is not None, num_captures=len(captures),
-        epilogue=epilogue, save_preact=save_preact)
-    operands = [x for pair in pairs for x in pair]
+        epilogue=epilogue, save_preact=save_preact,
+        scale_kinds=tuple(kind for kind, _ in scales))
+    operands = [x for pair in pairs for x in pair] + [x for _, x in scales]
     operands += ([bias] if bias is not None else []) + list(captures)
     outs = pl.pallas_call(
         kernel,

@@ -63,3 +63,20 @@ def b2b_reference(a: jax.Array, b: jax.Array, c: jax.Array,
         inner = fn(jnp.matmul(b, c, preferred_element_type=acc_dtype)).astype(a.dtype)
         out = jnp.matmul(a, inner, preferred_element_type=acc_dtype)
     return out.astype(a.dtype)
+
+
+def scaled_matmul_reference(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                            *, bias: jax.Array | None = None, out_dtype=jnp.bfloat16):
+    """(a @ b) * scale_a[:, None] * scale_b[None, :] + bias, cast to out_dtype.
+
+    a [M, K] and b [K, N] of any float dtype (fp8 is upcast exactly); scale_a is a scalar or
+    [M], scale_b a scalar or [N]. Accumulates in float32, or float64 for the golden value.
+    """
+    acc_dtype = jnp.promote_types(scale_a.dtype, jnp.float32)
+    acc = jnp.matmul(a.astype(acc_dtype), b.astype(acc_dtype), preferred_element_type=acc_dtype)
+    row = scale_a.reshape(-1, 1) if scale_a.size > 1 else scale_a.reshape(())
+    col = scale_b.reshape(1, -1) if scale_b.size > 1 else scale_b.reshape(())
+    acc = acc * row.astype(acc_dtype) * col.astype(acc_dtype)
+    if bias is not None:
+        acc = acc + bias.astype(acc_dtype)
+    return acc.astype(out_dtype)

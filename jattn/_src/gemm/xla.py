@@ -62,3 +62,15 @@ def b2b(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, si
     inner = f32(inner.astype(a.dtype))  # the kernel feeds the rounded values to the 2nd product
     x, y = (inner, c) if side == "left" else (a, inner)
     return jnp.dot(f32(x), f32(y), preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                  bias: jax.Array | None, *, out_dtype):
+    """Same contract as `pallas_triton.scaled_matmul`.
+
+    fp8 values are exact in float32 and so are their products, so upcasting first is the
+    kernel's math (fp32 accumulation), and runs where XLA has no fp8 dot.
+    """
+    acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                  preferred_element_type=jnp.float32)
+    return apply_epilogue(acc * scale_a * scale_b, bias, (), None, out_dtype, False)
