@@ -33,7 +33,9 @@ def load(ref, index, mask):
     """ref[index], with elements outside `mask` read as 0 (unmasked when mask is None)."""
     if mask is None:
         return ref[index]
-    return plgpu.load(ref.at[index], mask=mask, other=0)
+    # The Triton lowering casts an int fill to float types of 16+ bits only; fp8 needs a float.
+    fp8 = jnp.issubdtype(ref.dtype, jnp.floating) and jnp.dtype(ref.dtype).itemsize == 1
+    return plgpu.load(ref.at[index], mask=mask, other=0.0 if fp8 else 0)
 
 
 def store(ref, index, value, mask):

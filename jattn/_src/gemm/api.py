@@ -30,22 +30,25 @@ Epilogue = Callable[..., jax.Array]
 # Validation
 # ------------------------------------------------------------------------------------------------
 
-def _check_operands(op: str, a: jax.Array, b: jax.Array, b_max_ndim: int | None) -> None:
-    for name, x in (("a", a), ("b", b)):
+def check_operands(op: str, a: jax.Array, b: jax.Array, b_max_ndim: int | None,
+                   names: tuple[str, str] = ("a", "b")) -> None:
+    """Rank, dtype and inner-dimension checks of one product `a @ b`, named as the caller's."""
+    a_name, b_name = names
+    for name, x in ((a_name, a), (b_name, b)):
         if x.ndim < 2:
             raise ValueError(f"{op}: `{name}` must have rank >= 2, got shape {x.shape}.")
         if x.dtype not in _INPUT_DTYPES:
             raise TypeError(f"{op}: `{name}` has dtype {x.dtype}; supported input dtypes are "
                             "bfloat16, float16 and float32 (cast integers first).")
     if b_max_ndim is not None and b.ndim > b_max_ndim:
-        raise ValueError(f"{op}: `b` must be a [K, N] matrix, got shape {b.shape}; use "
+        raise ValueError(f"{op}: `{b_name}` must be a [K, N] matrix, got shape {b.shape}; use "
                          "jattn.bmm for batched right-hand sides.")
     if a.dtype != b.dtype:
-        raise TypeError(f"{op}: `a` and `b` must have the same dtype, got {a.dtype} and "
-                        f"{b.dtype}; cast one of them.")
+        raise TypeError(f"{op}: `{a_name}` and `{b_name}` must have the same dtype, got "
+                        f"{a.dtype} and {b.dtype}; cast one of them.")
     if a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"{op}: inner dimensions differ: a {a.shape} has K={a.shape[-1]} but "
-                         f"b {b.shape} has K={b.shape[-2]}.")
+        raise ValueError(f"{op}: inner dimensions differ: {a_name} {a.shape} has "
+                         f"K={a.shape[-1]} but {b_name} {b.shape} has K={b.shape[-2]}.")
 
 
 def _check_bias(op: str, bias: jax.Array | None, n: int) -> None:
@@ -172,8 +175,22 @@ def _product(implementation: str, config: MatmulConfig | None, out_dtype, a, b, 
                               save_preact)
 
 
+def product_for_shape(implementation: str, a, b, out_dtype, **transposes):
+    """A plain product (no bias, no epilogue) with the default config for its own shape.
+
+    The products of every GEMM backward; `transposes` are transpose_a / transpose_b.
+    """
+    config = None
+    if implementation != "xla":
+        m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
+        k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
+        n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
+        config = choose_config(None, m, n, k, a.dtype)
+    return _product(implementation, config, out_dtype, a, b, **transposes)
+
+
 @dataclasses.dataclass(frozen=True)
-class _Options:
+class Options:
     """Everything static about one matmul call (the custom_vjp's non-differentiable argument)."""
 
     implementation: str
@@ -189,13 +206,21 @@ class _Options:
 
     def backward_product(self, a, b, out_dtype, **transposes):
         """A plain product of the backward pass, with its own config for its own shape."""
-        config = None
-        if self.implementation != "xla":
-            m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
-            k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
-            n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
-            config = choose_config(None, m, n, k, a.dtype)
-        return _product(self.implementation, config, out_dtype, a, b, **transposes)
+        return product_for_shape(self.implementation, a, b, out_dtype, **transposes)
+
+    def preact_cotangent(self, preact, captures, d_out):
+        """(d_preact in fp32, d_captures): d_out pulled back through the epilogue."""
+        if self.epilogue_full is None:
+            return d_out.astype(jnp.float32), ()
+        m, n = d_out.shape
+        rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
+
+        def epilogue(preact, captures):
+            return self.epilogue_full(captures, preact, rows, cols)[0]
+
+        _, epilogue_vjp = jax.vjp(epilogue, preact, captures)
+        return epilogue_vjp(d_out.astype(jnp.float32))
 
 
 class _Residuals(NamedTuple):
@@ -207,30 +232,19 @@ class _Residuals(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _matmul(options: _Options, a, b, bias, captures):
+def _matmul(options: Options, a, b, bias, captures):
     return options.product(a, b, bias, captures)
 
 
-def _matmul_fwd(options: _Options, a, b, bias, captures):
+def _matmul_fwd(options: Options, a, b, bias, captures):
     if options.epilogue_full is None:
         return options.product(a, b, bias, captures), _Residuals(a, b, bias, captures, None)
     out, preact = options.product(a, b, bias, captures, save_preact=True)
     return out, _Residuals(a, b, bias, captures, preact)
 
 
-def _matmul_bwd(options: _Options, res: _Residuals, d_out):
-    if options.epilogue_full is None:
-        d_preact, d_captures = d_out.astype(jnp.float32), ()
-    else:
-        m, n = d_out.shape
-        rows = jax.lax.broadcasted_iota(jnp.int32, (m, 1), 0)
-        cols = jax.lax.broadcasted_iota(jnp.int32, (1, n), 1)
-
-        def epilogue(preact, captures):
-            return options.epilogue_full(captures, preact, rows, cols)[0]
-
-        _, epilogue_vjp = jax.vjp(epilogue, res.preact, res.captures)
-        d_preact, d_captures = epilogue_vjp(d_out.astype(jnp.float32))
+def _matmul_bwd(options: Options, res: _Residuals, d_out):
+    d_preact, d_captures = options.preact_cotangent(res.preact, res.captures, d_out)
     d_operand = d_preact.astype(res.a.dtype)
     d_a = options.backward_product(d_operand, res.b, res.a.dtype, transpose_b=True)
     d_b = options.backward_product(res.a, d_operand, res.b.dtype, transpose_a=True)
@@ -245,22 +259,32 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 # Public API
 # ------------------------------------------------------------------------------------------------
 
-def _options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
-             implementation) -> tuple[_Options, tuple[Any, ...]]:
+def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
+                 implementation, *, split_k: bool = True) -> tuple[Options, tuple[Any, ...]]:
+    """Validated static options of an [m, k] @ [k, n] product, and the epilogue's captures.
+
+    split_k=False (fused variants that cannot split K): a caller's config with split_k > 1 is
+    rejected, and a cached or heuristic one runs with split_k = 1.
+    """
     _check_bias(op, bias, n)
     out_dtype = _out_dtype(op, out_dtype, dtype)
     implementation = platform.resolve_implementation(implementation)
+    if not split_k and isinstance(config, MatmulConfig) and config.split_k != 1:
+        raise ValueError(f"{op}: config.split_k={config.split_k} is not supported (the kernel "
+                         "runs one program per output tile); use split_k=1.")
     if implementation == "xla":  # XLA picks its own tiles: the config is checked, then unused
         _check_config_type(config)
         resolved, tile = None, (m, n)
     else:
         resolved = choose_config(config, m, n, k, dtype)
+        if not split_k:
+            resolved = dataclasses.replace(resolved, split_k=1)
         tile = (resolved.block_m, resolved.block_n)
     epilogue_tile = epilogue_full = None
     captures: Sequence[Any] = ()
     if epilogue is not None:
         epilogue_tile, epilogue_full, captures = _trace_epilogue(op, epilogue, tile, (m, n))
-    options = _Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full)
+    options = Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full)
     return options, tuple(captures)
 
 
@@ -292,11 +316,11 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
       dA = dZ·Bᵀ and dB = Aᵀ·dZ through the same kernel, dZ from `jax.vjp` of the epilogue).
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
-    _check_operands("matmul", a, b, b_max_ndim=2)
+    check_operands("matmul", a, b, b_max_ndim=2)
     *lead, k = a.shape
     m, n = math.prod(lead), b.shape[1]
-    options, captures = _options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype, config,
-                                 implementation)
+    options, captures = make_options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype,
+                                     config, implementation)
     out = _matmul(options, a.reshape(m, k), b, bias, captures)
     return out.reshape(*lead, n)
 
@@ -324,14 +348,14 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     implementation are as in `matmul`.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
-    _check_operands("bmm", a, b, b_max_ndim=None)
+    check_operands("bmm", a, b, b_max_ndim=None)
     try:
         batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     except ValueError:
         raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
     (m, k), n = a.shape[-2:], b.shape[-1]
-    options, captures = _options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype, config,
-                                 implementation)
+    options, captures = make_options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype,
+                                     config, implementation)
     a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
     b = b.reshape((1,) * (len(batch) + 2 - b.ndim) + b.shape)
     product = lambda x, y: _matmul(options, x, y, bias, captures)

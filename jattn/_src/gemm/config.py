@@ -118,3 +118,56 @@ def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
         for split in {1, _split_k_for(m, n, k, config)}:
             seen[dataclasses.replace(config, split_k=split)] = None
     return list(seen)
+
+
+# The widest output side a b2b program holds in registers as its fp32 accumulator: [64, 256]
+# is 128 fp32 registers a thread at 4 warps (64 at 8); wider runs as two matmuls instead.
+B2B_MAX_HELD = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class B2BConfig:
+    """Tiles and launch parameters of the back-to-back GEMM kernel (`jattn.b2b_matmul`).
+
+    block_out: output rows (side="left") or columns (side="right") each program owns; it holds
+      the whole other output side, padded to a power of two (at most B2B_MAX_HELD).
+    block_inner: width of the intermediate chunk computed, passed through fn and consumed per
+      step (the intermediate never exists in memory whole).
+    block_k: step along the first product's contraction dim K.
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    block_out: int = 64
+    block_inner: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_tiles(self, "block_out", "block_inner", "block_k")
+        check_warps(self, "num_warps")
+        check_positive(self, "num_stages")
+
+
+def b2b_held_width(size: int) -> int:
+    """The power-of-two width a b2b program holds for an output side of `size`.
+
+    The kernel runs when this is <= B2B_MAX_HELD; `jattn.b2b_matmul` falls back otherwise.
+    """
+    return max(MIN_DOT_TILE, next_power_of_two(size))
+
+
+def heuristic_b2b_config(outer: int, held: int, inner: int, k: int,
+                         dtype: np.dtype) -> B2BConfig:
+    """Default b2b tiles: `outer` output rows/columns split over programs, `held` kept whole.
+
+    Untuned guesses (no H100 sweep yet): a held side above 128 gets 8 warps and a narrower
+    chunk so that accumulator and chunk stay in registers.
+    """
+    def fit(block: int, size: int) -> int:
+        return min(block, max(MIN_DOT_TILE, next_power_of_two(size)))
+
+    wide = held > 128
+    return B2BConfig(block_out=fit(64, outer), block_inner=fit(32 if wide else 64, inner),
+                     block_k=fit(128 // max(1, np.dtype(dtype).itemsize // 2), k),
+                     num_warps=8 if wide else 4, num_stages=2)

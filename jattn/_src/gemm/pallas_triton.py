@@ -3,7 +3,8 @@
 One program computes one [block_m, block_n] output tile (or, with split_k, its share of the K
 range). Each program sees its A row panel [block_m, K] and B column panel [K, block_n] through
 BlockSpecs and walks K in block_k steps. A partial panel at a ragged edge is neither padded nor
-masked on the GPU, so every load and store there carries an explicit mask.
+masked on the GPU, so every load and store there carries an explicit mask. mm_plus_mm runs the
+same kernel with two (A, B) panel pairs, walking the K of each into one accumulator.
 
 Tile order: with group_m == 1 the grid is 2-D (row tiles, column tiles); with group_m > 1 it is
 1-D and walks `group_m` row tiles at a time so neighbouring programs share B panels in L2.
@@ -47,9 +48,12 @@ def _tile_coords(grid_ids: Sequence[Any], tiles_m: int, tiles_n: int, group_m: i
 # Kernel
 # ------------------------------------------------------------------------------------------------
 
-def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulConfig,
+def _matmul_kernel(*refs, m: int, n: int, ks: tuple[int, ...], config: MatmulConfig,
                    transpose_a: bool, transpose_b: bool, has_bias: bool, num_captures: int,
-                   epilogue: TracedFunction | None, save_preact: bool):
+                   epilogue: TracedFunction | None, save_preact: bool,
+                   scale_kinds: tuple[str, ...] = ()):
+    operand_refs, refs = refs[:2 * len(ks)], refs[2 * len(ks):]
+    scale_refs, refs = refs[:len(scale_kinds)], refs[len(scale_kinds):]
     bias_ref = refs[0] if has_bias else None
     capture_refs = refs[int(has_bias):int(has_bias) + num_captures]
     out_refs = refs[int(has_bias) + num_captures:]
@@ -61,9 +65,8 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
     m0, n0 = pid_m * bm, pid_n * bn
     m_bound, n_bound = (m if m % bm else None), (n if n % bn else None)
     row_mask, col_mask = bounds(m0, bm, m_bound, 0), bounds(n0, bn, n_bound, 1)
-    full_k_steps, k_tail = divmod(k, bk)
 
-    def k_step(step, acc, k_bound=None):
+    def k_step(a_ref, b_ref, step, acc, k_bound=None):
         # A static start past the end would be rejected at trace time, so the tail's is traced.
         k0 = jnp.int32(step * bk) if isinstance(step, int) else pl.multiple_of(step * bk, bk)
         if transpose_a:  # A panel is [K, bm]
@@ -82,24 +85,33 @@ def _matmul_kernel(a_ref, b_ref, *refs, m: int, n: int, k: int, config: MatmulCo
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
     # ---- main loop: whole K steps unmasked along K, then the ragged tail ------------------------
+    # With several operand pairs (mm_plus_mm), each pair's K range adds into the same acc.
     acc = jnp.zeros((bm, bn), jnp.float32)
     tile_mask = both(row_mask, col_mask)
     if split_k == 1:
-        acc = lax.fori_loop(0, full_k_steps, k_step, acc)
-        if k_tail:
-            acc = k_step(full_k_steps, acc, k_bound=k)
-    else:
+        for a_ref, b_ref, k in zip(operand_refs[::2], operand_refs[1::2], ks):
+            full_k_steps, k_tail = divmod(k, bk)
+            acc = lax.fori_loop(0, full_k_steps, functools.partial(k_step, a_ref, b_ref), acc)
+            if k_tail:
+                acc = k_step(a_ref, b_ref, full_k_steps, acc, k_bound=k)
+    else:  # one operand pair (the launcher checks)
+        (k,), step = ks, functools.partial(k_step, *operand_refs)
+        full_k_steps, k_tail = divmod(k, bk)
         steps_per_split = cdiv(cdiv(k, bk), split_k)
         first = pl.program_id(len(grid_ids)) * steps_per_split
-        acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, full_k_steps), k_step, acc)
+        acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, full_k_steps), step, acc)
         if k_tail:
             owns_tail = (first <= full_k_steps) & (full_k_steps < first + steps_per_split)
-            acc = lax.cond(owns_tail, lambda a: k_step(full_k_steps, a, k_bound=k),
+            acc = lax.cond(owns_tail, lambda a: step(full_k_steps, a, k_bound=k),
                            lambda a: a, acc)
         store(out_refs[0], ..., acc, tile_mask)
         return
 
     # ---- epilogue on the fp32 tile --------------------------------------------------------------
+    # Scales come first (bias is in output units); each is a [bm, 1], [1, bn] or [1, 1] tile.
+    scale_masks = {"row": row_mask, "col": col_mask, "tensor": None}
+    for kind, scale_ref in zip(scale_kinds, scale_refs):
+        acc = acc * load(scale_ref, ..., scale_masks[kind])
     if has_bias:
         bias_mask = None if col_mask is None else col_mask[0]
         acc = acc + load(bias_ref, ..., bias_mask).astype(jnp.float32)[None, :]
@@ -128,12 +140,62 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     With config.split_k > 1, bias and epilogue must be None and the result is the fp32 partial
     sums [split_k, M, N], to be added by the caller.
     """
-    m = a.shape[1] if transpose_a else a.shape[0]
-    k = a.shape[0] if transpose_a else a.shape[1]
-    n = b.shape[0] if transpose_b else b.shape[1]
-    bm, bn = config.block_m, config.block_n
     if config.split_k > 1 and (bias is not None or epilogue is not None or save_preact):
         raise ValueError("split_k > 1 returns partial sums: apply bias and epilogue after.")
+    return _launch([(a, b)], bias, captures, config=config, out_dtype=out_dtype,
+                   transpose_a=transpose_a, transpose_b=transpose_b, epilogue=epilogue,
+                   save_preact=save_preact, interpret=interpret,
+                   name="jattn_matmul" if config.split_k == 1 else "jattn_matmul_split_k")
+
+
+def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, bias: jax.Array | None,
+               captures: Sequence[Any], *, config: MatmulConfig, out_dtype,
+               epilogue: TracedFunction | None = None, save_preact: bool = False,
+               interpret: bool = False):
+    """a @ b + c @ d (+ bias[None, :]) then epilogue, one fp32 accumulator, one kernel.
+
+    a: [M, K1], b: [K1, N], c: [M, K2], d: [K2, N] (K1 and K2 may differ); bias: [N] or None.
+    Returns as `matmul` does; config.split_k must be 1.
+    """
+    if config.split_k != 1:
+        raise ValueError(f"mm_plus_mm runs without split-K, got split_k={config.split_k}.")
+    return _launch([(a, b), (c, d)], bias, captures, config=config, out_dtype=out_dtype,
+                   epilogue=epilogue, save_preact=save_preact, interpret=interpret,
+                   name="jattn_mm_plus_mm")
+
+
+def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                  bias: jax.Array | None, *, config: MatmulConfig, out_dtype,
+                  interpret: bool = False):
+    """(a @ b) * scale_a * scale_b (+ bias[None, :]) on fp8 operands, fp32 accumulation.
+
+    a: [M, K], b: [K, N], both the same float8 dtype; scale_a: [M, 1] (row-wise) or [1, 1]
+    (tensor-wise) float32; scale_b: [1, N] or [1, 1] float32; bias: [N] or None. Returns
+    [M, N] of out_dtype; config.split_k must be 1.
+    """
+    if config.split_k != 1:
+        raise ValueError(f"scaled_matmul runs without split-K, got split_k={config.split_k}.")
+    scales = [("tensor" if scale_a.size == 1 else "row", scale_a),
+              ("tensor" if scale_b.size == 1 else "col", scale_b)]
+    return _launch([(a, b)], bias, (), config=config, out_dtype=out_dtype, epilogue=None,
+                   save_preact=False, interpret=interpret, name="jattn_scaled_matmul",
+                   scales=scales)
+
+
+def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
+            config: MatmulConfig, out_dtype, epilogue, save_preact: bool, interpret: bool,
+            name: str, transpose_a: bool = False, transpose_b: bool = False,
+            scales: Sequence[tuple[str, jax.Array]] = ()):
+    """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call.
+
+    scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
+    "col" [1, N] or "tensor" [1, 1].
+    """
+    a, b = pairs[0]
+    m = a.shape[1] if transpose_a else a.shape[0]
+    n = b.shape[0] if transpose_b else b.shape[1]
+    ks = tuple(x.shape[0] if transpose_a else x.shape[1] for x, _ in pairs)
+    bm, bn = config.block_m, config.block_n
 
     tiles = (cdiv(m, bm), cdiv(n, bn))
     grid = tiles if config.group_m == 1 else (tiles[0] * tiles[1],)
@@ -147,15 +209,23 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     def cols(*ids):
         return _tile_coords(ids[:tile_axes], *tiles, config.group_m)[1]
 
-    # Panels span all of K, rounded up to whole K steps: a window past the end is masked on the
-    # GPU, and the interpreter pads the panel instead of rejecting the window.
-    k_span = cdiv(k, config.block_k) * config.block_k
-    in_specs = [
-        pl.BlockSpec((k_span, bm), lambda *ids: (0, rows(*ids))) if transpose_a
-        else pl.BlockSpec((bm, k_span), lambda *ids: (rows(*ids), 0)),
-        pl.BlockSpec((bn, k_span), lambda *ids: (cols(*ids), 0)) if transpose_b
-        else pl.BlockSpec((k_span, bn), lambda *ids: (0, cols(*ids))),
-    ]
+    in_specs = []
+    for k in ks:
+        # Panels span all of K, rounded up to whole K steps: a window past the end is masked on
+        # the GPU, and the interpreter pads the panel instead of rejecting the window.
+        k_span = cdiv(k, config.block_k) * config.block_k
+        in_specs += [
+            pl.BlockSpec((k_span, bm), lambda *ids: (0, rows(*ids))) if transpose_a
+            else pl.BlockSpec((bm, k_span), lambda *ids: (rows(*ids), 0)),
+            pl.BlockSpec((bn, k_span), lambda *ids: (cols(*ids), 0)) if transpose_b
+            else pl.BlockSpec((k_span, bn), lambda *ids: (0, cols(*ids))),
+        ]
+    scale_specs = {
+        "row": pl.BlockSpec((bm, 1), lambda *ids: (rows(*ids), 0)),
+        "col": pl.BlockSpec((1, bn), lambda *ids: (0, cols(*ids))),
+        "tensor": pl.BlockSpec((1, 1), lambda *ids: (0, 0)),
+    }
+    in_specs += [scale_specs[kind] for kind, _ in scales]
     if bias is not None:
         in_specs.append(pl.BlockSpec((bn,), lambda *ids: (cols(*ids),)))
     # Captured arrays stay whole in memory; the epilogue reads the elements it indexes.
@@ -174,10 +244,12 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
             out_specs.append(tile_spec)
 
     kernel = functools.partial(
-        _matmul_kernel, m=m, n=n, k=k, config=config, transpose_a=transpose_a,
+        _matmul_kernel, m=m, n=n, ks=ks, config=config, transpose_a=transpose_a,
         transpose_b=transpose_b, has_bias=bias is not None, num_captures=len(captures),
-        epilogue=epilogue, save_preact=save_preact)
-    operands = [a, b] + ([bias] if bias is not None else []) + list(captures)
+        epilogue=epilogue, save_preact=save_preact,
+        scale_kinds=tuple(kind for kind, _ in scales))
+    operands = [x for pair in pairs for x in pair] + [x for _, x in scales]
+    operands += ([bias] if bias is not None else []) + list(captures)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -187,6 +259,6 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
-        name="jattn_matmul" if config.split_k == 1 else "jattn_matmul_split_k",
+        name=name,
     )(*operands)
     return outs[0] if len(outs) == 1 else tuple(outs)

@@ -40,3 +40,37 @@ def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequenc
     acc = jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b,
                   preferred_element_type=jnp.float32)
     return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)
+
+
+def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
+               bias: jax.Array | None, captures: Sequence[Any], *, out_dtype,
+               epilogue: TracedFunction | None = None, save_preact: bool = False):
+    """Same contract as `pallas_triton.mm_plus_mm`; epilogue traced at [M, N]."""
+    acc = sum(jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32),
+                      preferred_element_type=jnp.float32) for x, y in ((a, b), (c, d)))
+    return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)
+
+
+def b2b(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, side: str,
+        fn: TracedFunction | None = None):
+    """Same contract as `pallas_triton_b2b.b2b`; fn traced at the whole intermediate."""
+    f32 = lambda x: x.astype(jnp.float32)
+    x, y = (a, b) if side == "left" else (b, c)
+    inner = jnp.dot(f32(x), f32(y), preferred_element_type=jnp.float32)
+    if fn is not None:
+        inner = fn(captures, inner)[0]
+    inner = f32(inner.astype(a.dtype))  # the kernel feeds the rounded values to the 2nd product
+    x, y = (inner, c) if side == "left" else (a, inner)
+    return jnp.dot(f32(x), f32(y), preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                  bias: jax.Array | None, *, out_dtype):
+    """Same contract as `pallas_triton.scaled_matmul`.
+
+    fp8 values are exact in float32 and so are their products, so upcasting first is the
+    kernel's math (fp32 accumulation), and runs where XLA has no fp8 dot.
+    """
+    acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                  preferred_element_type=jnp.float32)
+    return apply_epilogue(acc * scale_a * scale_b, bias, (), None, out_dtype, False)

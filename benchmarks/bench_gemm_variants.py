@@ -1,0 +1,192 @@
+"""Fused GEMM variants and fp8 scaled_matmul on the GPU against baselines doing the same work.
+
+    python -m benchmarks.bench_gemm_variants [--json results.json] [--only NAME] [--smoke]
+
+Cases (issue 6, item 5), bf16 inputs and outputs, fp32 accumulation on both sides:
+- mm_plus_mm: jattn.mm_plus_mm(a, b, c, d) against jit(jnp.dot(a, b) + jnp.dot(c, d)).
+  FLOP model 2·M·N·(K1 + K2).
+- b2b: jattn.b2b_matmul(a, b, c, gelu) against jit(gelu(a @ b in fp32) rounded to bf16 @ c),
+  where the [M, P] intermediate is large (M=8192, K=N=128, P=8192) and, for side="right", its
+  mirror image. FLOP model 2·M·P·(K + N) (left), 2·P·N·(K + M) (right).
+- scaled_matmul: jattn.scaled_matmul on float8_e4m3fn 8192^3, tensor-wise and row-wise scales,
+  bf16 out, against torch._scaled_mm on the same values (use_fast_accum=False on both sides: the
+  jattn kernel runs Triton's precise fp8 accumulation). FLOP model 2·M·N·K. Skipped where torch
+  or its GPU is missing.
+The ratio printed is the baseline's time over jattn's (> 1: jattn is faster). --smoke runs tiny
+shapes with the default implementation (xla on a CPU) to check the script end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
+
+# (name, M, N, K1, K2)
+MM_PLUS_MM = [("mm+mm M=N=8192 K=128+128", 8192, 8192, 128, 128),
+              ("mm+mm 4096^3 + 4096^3", 4096, 4096, 4096, 4096)]
+# (name, side, M, K, P, N): P is the intermediate width (a@b is [M, P] for left).
+B2B = [("b2b left M=8192 K=N=128 P=8192", "left", 8192, 128, 8192, 128),
+       ("b2b right M=128 K=128 P=8192 N=8192", "right", 128, 128, 8192, 8192)]
+# (name, M, N, K, scale mode)
+SCALED = [("fp8 8192^3 tensor-wise", 8192, 8192, 8192, "tensor"),
+          ("fp8 8192^3 row-wise", 8192, 8192, 8192, "row")]
+SMOKE_MM_PLUS_MM = [("smoke mm+mm", 64, 48, 32, 16)]
+SMOKE_B2B = [("smoke b2b left", "left", 64, 32, 128, 32),
+             ("smoke b2b right", "right", 32, 32, 128, 64)]
+SMOKE_SCALED = [("smoke fp8 tensor-wise", 64, 48, 32, "tensor"),
+                ("smoke fp8 row-wise", 64, 48, 32, "row")]
+
+
+def _gelu(x):
+    return jax.nn.gelu(x, approximate=True)
+
+
+def _dot32(x, y):
+    return jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+
+def _xla_mm_plus_mm(a, b, c, d):
+    return (_dot32(a, b) + _dot32(c, d)).astype(a.dtype)
+
+
+def _xla_b2b(side):
+    def run(a, b, c):
+        if side == "left":
+            return _dot32(_gelu(_dot32(a, b)).astype(a.dtype), c).astype(a.dtype)
+        return _dot32(a, _gelu(_dot32(b, c)).astype(a.dtype)).astype(a.dtype)
+    return run
+
+
+def _input_sets(shapes, smoke: bool, dtype=jnp.bfloat16):
+    rng = np.random.default_rng(0)
+    base = [jnp.asarray(0.3 * rng.standard_normal(s), dtype) for s in shapes]
+    copies = 2 if smoke else input_copies(sum(2 * int(np.prod(s)) for s in shapes))
+    # Distinct copies (scaled) so that no two calls see the same inputs.
+    return [[x * (1 + i / copies) for x in base] for i in range(copies)]
+
+
+def _compare(name: str, flops: float, ours, xla, sets) -> dict:
+    compile_s = first_call_seconds(ours, *sets[0])
+    err = float(jnp.abs(ours(*sets[0]).astype(jnp.float32)
+                        - xla(*sets[0]).astype(jnp.float32)).max())
+    seconds = {"jattn": time_jax(ours, sets), "xla": time_jax(xla, sets)}
+    tflops = {key: flops / t / 1e12 for key, t in seconds.items()}
+    return {"case": name, "baseline": "xla", "tflops": tflops, "seconds": seconds,
+            "vs_xla": seconds["xla"] / seconds["jattn"], "first_call_s": compile_s,
+            "max_abs_diff_vs_xla": err}
+
+
+def bench_mm_plus_mm(name, m, n, k1, k2, *, smoke=False) -> dict:
+    sets = _input_sets([(m, k1), (k1, n), (m, k2), (k2, n)], smoke)
+    row = _compare(name, 2 * m * n * (k1 + k2), jax.jit(jattn.mm_plus_mm),
+                   jax.jit(_xla_mm_plus_mm), sets)
+    return {**row, "m": m, "n": n, "k1": k1, "k2": k2}
+
+
+def bench_b2b(name, side, m, k, p, n, *, smoke=False) -> dict:
+    shapes = [(m, k), (k, p), (p, n)] if side == "left" else [(m, p), (p, k), (k, n)]
+    flops = 2 * m * p * (k + n) if side == "left" else 2 * p * n * (k + m)
+    ours = jax.jit(lambda a, b, c: jattn.b2b_matmul(a, b, c, _gelu, side=side))
+    row = _compare(name, flops, ours, jax.jit(_xla_b2b(side)),
+                   _input_sets(shapes, smoke))
+    return {**row, "side": side, "m": m, "k": k, "p": p, "n": n}
+
+
+def _torch_on_gpu():
+    """torch, if it is installed and sees a GPU; else None (the fp8 baseline is skipped)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _scale_values(rng, m: int, n: int, mode: str):
+    shapes = ((m, 1), (1, n)) if mode == "row" else ((), ())
+    return [np.asarray(rng.uniform(0.5, 2.0, shape), np.float32) for shape in shapes]
+
+
+def bench_scaled(name, m, n, k, mode, *, smoke=False) -> dict:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), np.float32)
+    b = rng.standard_normal((k, n), np.float32)
+    scale_a, scale_b = _scale_values(rng, m, n, mode)
+    copies = 2 if smoke else input_copies((m + n) * k)
+    factors = [1 + i / copies for i in range(copies)]  # distinct copies, same fp8 range
+    fp8 = jnp.float8_e4m3fn
+    a_dev, b_dev = jnp.asarray(a), jnp.asarray(b)
+    sets = [[(a_dev * f).astype(fp8), (b_dev * f).astype(fp8), jnp.asarray(scale_a),
+             jnp.asarray(scale_b)] for f in factors]
+    ours = jax.jit(lambda a, b, sa, sb: jattn.scaled_matmul(a, b, sa, sb))
+    compile_s = first_call_seconds(ours, *sets[0])
+    seconds = {"jattn": time_jax(ours, sets)}
+    row = {"case": name, "baseline": "torch", "m": m, "n": n, "k": k, "mode": mode,
+           "first_call_s": compile_s}
+    torch = _torch_on_gpu()
+    if torch is not None:
+        # torch._scaled_mm wants b column-major: build [N, K] rows and pass the transpose.
+        a_t, b_t = torch.from_numpy(a).cuda(), torch.from_numpy(np.ascontiguousarray(b.T)).cuda()
+        scales = [torch.from_numpy(s).cuda() for s in (scale_a, scale_b)]
+        torch_sets = [[(a_t * f).to(torch.float8_e4m3fn), (b_t * f).to(torch.float8_e4m3fn).t(),
+                       *scales] for f in factors]
+
+        def baseline(a, b, sa, sb):
+            return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                    use_fast_accum=False)
+
+        seconds["torch"] = time_torch(baseline, torch_sets)
+        theirs = baseline(*torch_sets[0]).float().cpu().numpy()
+        row["vs_torch"] = seconds["torch"] / seconds["jattn"]
+        row["max_abs_diff_vs_torch"] = float(np.abs(
+            np.asarray(ours(*sets[0]).astype(jnp.float32)) - theirs).max())
+    row["seconds"] = seconds
+    row["tflops"] = {key: 2 * m * n * k / t / 1e12 for key, t in seconds.items()}
+    return row
+
+
+def _report(r: dict) -> str:
+    base = r["baseline"]
+    rates = "  ".join(f"{key} {value:7.2f}" for key, value in r["tflops"].items())
+    if f"vs_{base}" not in r:
+        return f"{r['case']:>38}: {rates} TFLOP/s   ({base} unavailable: no ratio)"
+    return (f"{r['case']:>38}: {rates} TFLOP/s   {base} time / jattn time "
+            f"{r[f'vs_{base}']:.3f}   max |diff| {r[f'max_abs_diff_vs_{base}']:.3g}   "
+            f"first call {r['first_call_s']:.2f}s")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the rows to this file")
+    parser.add_argument("--only", help="run only cases whose name contains this")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, default implementation: checks the script runs")
+    args = parser.parse_args(argv)
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    cases = [(bench_mm_plus_mm, c) for c in (SMOKE_MM_PLUS_MM if args.smoke else MM_PLUS_MM)]
+    cases += [(bench_b2b, c) for c in (SMOKE_B2B if args.smoke else B2B)]
+    cases += [(bench_scaled, c) for c in (SMOKE_SCALED if args.smoke else SCALED)]
+    rows = []
+    for bench, case in cases:
+        if args.only and args.only not in case[0]:
+            continue
+        rows.append(bench(*case, smoke=args.smoke))
+        print(_report(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
