@@ -37,7 +37,6 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     factor = deferred * LOG2_E  # scores -> base-2 logits
 
     def visit(kv0, carry, apply_mask_mod):
-        m_i, l_i, acc = carry
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
         _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
                                              b, h, q0, kv0, apply_mask_mod, deferred=deferred)
@@ -46,13 +45,8 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
             # masked scores give exp2(-inf) = 0 even in rows with nothing kept yet, and the
             # mask dies here rather than staying live (in predicate registers) past the exp2.
             s = jnp.where(keep, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
-        alpha = tiles.exp2(p, m_i - m_new)
-        prob = tiles.exp2(p, s * factor - m_new[:, None])
-        v_tile = tiles.load_tile(v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk)
-        acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
-                                             preferred_element_type=jnp.float32)
-        return m_new, l_i * alpha + prob.sum(axis=1), acc
+        return tiles.softmax_step(p, carry, s, factor, lambda: tiles.load_tile(
+            v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk))
 
     # ---- partial blocks, then full blocks -------------------------------------------------------
     carry = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),

@@ -53,6 +53,20 @@ def exp2(p: Problem, x):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
+def softmax_step(p: Problem, carry, s, factor: float, load_v):
+    """One online-softmax update of (m_i, l_i, acc) with a [rows, keys] tile of scores `s` (-inf
+    where masked; times `factor` they are base-2 logits). load_v() gives the matching V tile; it
+    is called after the exp2s, where the forward kernel has always loaded it."""
+    m_i, l_i, acc = carry
+    m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
+    alpha = exp2(p, m_i - m_new)
+    prob = exp2(p, s * factor - m_new[:, None])
+    v_tile = load_v()
+    acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
+                                         preferred_element_type=jnp.float32)
+    return m_new, l_i * alpha + prob.sum(axis=1), acc
+
+
 def heaviest_first(length: int, tile: int, program):
     """Query tile of a program, last tiles first: under causal-like masks they visit the most
     blocks, and starting them early keeps the GPU's last wave short."""

@@ -59,18 +59,6 @@ def _share(count, split, splits: int):
     return lo, jnp.minimum(lo + per, count)
 
 
-def softmax_step(p, carry, s, factor: float, v_tile):
-    """One online-softmax update (m_i, l_i, acc) with a [rows, keys] tile of scores `s` (-inf
-    where masked; times `factor` they are base-2 logits) and the matching V tile."""
-    m_i, l_i, acc = carry
-    m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
-    alpha = tiles.exp2(p, m_i - m_new)
-    prob = tiles.exp2(p, s * factor - m_new[:, None])
-    acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
-                                         preferred_element_type=jnp.float32)
-    return m_new, l_i * alpha + prob.sum(axis=1), acc
-
-
 def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
     q_ref, k_ref, v_ref, q_start_ref, kv_len_ref = refs[:5]
     rest = refs[5:-3]
@@ -126,7 +114,8 @@ def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
                                                    kv_idx)[0])
         if keep is not None:
             s = jnp.where(keep, s, -jnp.inf)  # as in the flex forward: dies before the exp2
-        return softmax_step(p, carry, s, factor, load_kv(v_ref, t0, p.Ev, masked))
+        v_tile = load_kv(v_ref, t0, p.Ev, masked)  # loaded before the exp2s, unlike the forward
+        return tiles.softmax_step(p, carry, s, factor, lambda: v_tile)
 
     carry = (jnp.full((rows_m,), MASK_VALUE, jnp.float32), jnp.zeros((rows_m,), jnp.float32),
              jnp.zeros((rows_m, tiles.padded(p.Ev)), jnp.float32))
