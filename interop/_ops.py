@@ -246,7 +246,9 @@ def _flex(q, k, v, mask_arrays, captures, **static):
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
 def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **static):
     """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse;
-    d_lse None: the LSE was not returned (zero cotangent)."""
+    a cotangent that is None (an output autograd saw no gradient for) counts as zeros."""
+    if d_out is None:
+        d_out = jnp.zeros_like(out)
     if d_lse is None:
         d_lse = jnp.zeros(lse.shape, jnp.float32)
     dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, **static)(
@@ -292,8 +294,8 @@ def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
     return to_torch(out), to_torch(lse)
 
 
-def _flex_backward_op(d_out: Tensor, d_lse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor,
-                      out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
+def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                      v: Tensor, out: Tensor, lse: Tensor, mask_tensors: list[Tensor],
                       captures: list[Tensor], mods: str,
                       block_size: list[int], seq_lengths: list[int],
                       scale: Optional[float], enable_gqa: bool,
@@ -337,10 +339,6 @@ def _flex_autograd(ctx, d_out, d_lse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     n_masks, n_captures = ctx.counts
     mask_tensors, captures = rest[:n_masks], rest[n_masks:n_masks + n_captures]
-    if d_lse is None:
-        d_lse = q.new_zeros(q.shape[:-1], dtype=torch.float32)
-    if d_out is None:
-        d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, out, lse,
                                                     mask_tensors, captures, *ctx.static)
     d_floats = iter(d_floats)
@@ -370,8 +368,6 @@ class _EagerFlex(torch.autograd.Function):
     def backward(ctx, d_out, d_lse=None):
         q, k, v, _, *rest = ctx.saved_tensors
         masks, captures = rest[:ctx.n_masks], rest[ctx.n_masks:]
-        if d_out is None:
-            d_out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         grads = iter(_flex_backward_op(d_out, d_lse, q, k, v, *ctx.arrays, masks, captures,
                                        *ctx.static))
         dq, dk, dv = next(grads), next(grads), next(grads)
