@@ -22,6 +22,12 @@ def next_power_of_two(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
 
+def dot_tile(size: int) -> int:
+    """The power-of-two tile side (>= MIN_DOT_TILE, what Triton's dot needs) that covers
+    `size`; the part past `size` is masked."""
+    return max(MIN_DOT_TILE, next_power_of_two(size))
+
+
 def check_tiles(config: Any, *names: str) -> None:
     """Tile sizes must be powers of two >= MIN_DOT_TILE."""
     for name in names:

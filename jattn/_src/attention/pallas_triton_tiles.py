@@ -12,9 +12,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.pallas_triton_lookup import call_in_kernel
-from jattn._src.constants import MIN_DOT_TILE
 from jattn._src.pallas_triton_masked import both, bounds, load, store
-from jattn._src.tiling import cdiv, next_power_of_two
+from jattn._src.tiling import cdiv, dot_tile
 
 
 def walk(lists, owner: tuple, tile: int, block: int, visit, carry):
@@ -85,7 +84,7 @@ def query_program(p: Problem, block_q: int):
 
 def padded(dim: int) -> int:
     """Head dims live in power-of-two tiles (Triton's rule), masked down to the real size."""
-    return max(MIN_DOT_TILE, next_power_of_two(dim))
+    return dot_tile(dim)
 
 
 def load_tile(ref, index, row0, rows: int, length: int, dim: int, span: int | None = None):

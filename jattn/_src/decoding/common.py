@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src.attention.common import Mods
-from jattn._src.constants import LOG2_E, MIN_DOT_TILE
+from jattn._src.constants import LOG2_E
 from jattn._src.decoding.config import (DecodeConfig, choose_num_splits, heuristic_config,
                                         heuristic_stages)
 from jattn._src.gemm.config import NUM_SMS
 from jattn._src.masks.block_mask import BlockMask
-from jattn._src.tiling import cdiv, next_power_of_two
+from jattn._src.tiling import cdiv, dot_tile
 from jattn._src.user_functions import CaptureSet
 
 # The decode kernel handles up to this many queries per sequence; flex_decode hands longer
@@ -110,7 +110,7 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
     # head; as many as fit in block_m rows with the Lq queries each.
     heads_per_tile = 1 if per_head_mask else max(
         d for d in range(1, groups + 1) if groups % d == 0 and d * Lq <= config.block_m)
-    block_m = max(MIN_DOT_TILE, next_power_of_two(heads_per_tile * Lq))
+    block_m = dot_tile(heads_per_tile * Lq)
     splits = config.num_splits or choose_num_splits(B * Hkv * (groups // heads_per_tile),
                                                     cdiv(S, config.block_k), num_sms())
     config = dataclasses.replace(config, num_splits=splits)

@@ -7,14 +7,18 @@ import itertools
 
 import numpy as np
 
-from jattn._src.constants import MIN_DOT_TILE
-from jattn._src.tiling import check_positive, check_tiles, check_warps, next_power_of_two
+from jattn._src.tiling import check_positive, check_tiles, check_warps, dot_tile
 
 # Shared memory per block on an H100 (227 KiB); candidates whose pipeline needs more are skipped.
 SHARED_MEMORY_BYTES = 227 * 1024
 
 # Streaming multiprocessors of an H100: split-K targets at least this many programs.
 NUM_SMS = 132
+
+
+def _fit(block: int, size: int) -> int:
+    """A tile side of at most `block` that covers `size` (no larger than needed)."""
+    return min(block, dot_tile(size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +52,9 @@ class MatmulConfig:
 
     def fit_to(self, m: int, n: int, k: int) -> MatmulConfig:
         """Shrinks tiles larger than the problem (never below 16), keeping everything else."""
-        def fit(block: int, size: int) -> int:
-            return min(block, max(MIN_DOT_TILE, next_power_of_two(size)))
-
         return dataclasses.replace(
-            self, block_m=fit(self.block_m, m), block_n=fit(self.block_n, n),
-            block_k=fit(self.block_k, k),
+            self, block_m=_fit(self.block_m, m), block_n=_fit(self.block_n, n),
+            block_k=_fit(self.block_k, k),
         )
 
 
@@ -154,7 +155,7 @@ def b2b_held_width(size: int) -> int:
 
     The kernel runs when this is <= B2B_MAX_HELD; `jattn.b2b_matmul` falls back otherwise.
     """
-    return max(MIN_DOT_TILE, next_power_of_two(size))
+    return dot_tile(size)
 
 
 def heuristic_b2b_config(outer: int, held: int, inner: int, k: int,
@@ -164,10 +165,7 @@ def heuristic_b2b_config(outer: int, held: int, inner: int, k: int,
     Untuned guesses (no H100 sweep yet): a held side above 128 gets 8 warps and a narrower
     chunk so that accumulator and chunk stay in registers.
     """
-    def fit(block: int, size: int) -> int:
-        return min(block, max(MIN_DOT_TILE, next_power_of_two(size)))
-
     wide = held > 128
-    return B2BConfig(block_out=fit(64, outer), block_inner=fit(32 if wide else 64, inner),
-                     block_k=fit(128 // max(1, np.dtype(dtype).itemsize // 2), k),
+    return B2BConfig(block_out=_fit(64, outer), block_inner=_fit(32 if wide else 64, inner),
+                     block_k=_fit(128 // max(1, np.dtype(dtype).itemsize // 2), k),
                      num_warps=8 if wide else 4, num_stages=2)
