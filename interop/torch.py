@@ -14,6 +14,7 @@ import jax
 import torch
 
 import jattn
+from jattn._src.decoding.paged import check_pool_sizes
 from interop import _decode_ops, _dlpack, _ops  # they register torch.ops.jattn.*
 
 
@@ -143,11 +144,8 @@ class PagedKVCache:
                device="cpu") -> PagedKVCache:
         """Zeroed pools on `device` and the given page table [B, max_pages] (int, -1:
         unassigned), as `jattn.PagedKVCache.create`."""
-        for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedKVCache.create: `{name}` must be a positive int, got "
-                                 f"{value!r}.")
+        check_pool_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         pools = [torch.zeros((num_kv_heads, num_pages, page_size, dim), dtype=dtype,
                              device=device) for dim in (head_dim, value_dim)]

@@ -34,6 +34,14 @@ def concrete(x: Any) -> np.ndarray | None:
     return np.asarray(x)
 
 
+def check_pool_sizes(**sizes: Any) -> None:
+    """PagedKVCache.create's sizes (jattn's and the torch one's) must be positive ints."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"PagedKVCache.create: `{name}` must be a positive int, got "
+                             f"{value!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """K/V page pools and the page table of a batch (see the module docstring for the layout).
@@ -51,11 +59,8 @@ class PagedKVCache:
                page_table: Any, *, dtype=jnp.bfloat16,
                value_dim: int | None = None) -> PagedKVCache:
         """Zeroed pools and the given page table [B, max_pages] (int, -1: unassigned)."""
-        for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"PagedKVCache.create: `{name}` must be a positive int, got "
-                                 f"{value!r}.")
+        check_pool_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
+                         head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         cache = cls(jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
                     jnp.zeros((num_kv_heads, num_pages, page_size, value_dim), dtype),
