@@ -9,9 +9,13 @@ Cases (issue 6, item 5), bf16 inputs and outputs, fp32 accumulation on both side
   where the [M, P] intermediate is large (M=8192, K=N=128, P=8192) and, for side="right", its
   mirror image. FLOP model 2·M·P·(K + N) (left), 2·P·N·(K + M) (right).
 - scaled_matmul: jattn.scaled_matmul on float8_e4m3fn 8192^3, tensor-wise and row-wise scales,
-  bf16 out, against torch._scaled_mm on the same values (use_fast_accum=False on both sides: the
-  jattn kernel runs Triton's precise fp8 accumulation). FLOP model 2·M·N·K. Skipped where torch
-  or its GPU is missing.
+  bf16 out, b stored [N, K] on both sides, against torch._scaled_mm on the same values, with
+  the same use_fast_accum on both sides (False, and True for one case). FLOP model 2·M·N·K;
+  torch skipped where it or its GPU is missing.
+- mixed_matmul: int8 and int4 (per channel, and per group of 128) weights at decode shapes
+  M in {1, 16, 64}, N = K = 8192, bf16 activations, against XLA dequantise-then-dot and the
+  bf16 GEMMs (jattn.matmul and jnp.dot) on the unquantised weight; GB/s of weight bytes read
+  (integer values + scales, or the bf16 weight), and the best bf16 time over jattn's.
 The ratio printed is the baseline's time over jattn's (> 1: jattn is faster). --smoke runs tiny
 shapes with the default implementation (xla on a CPU) to check the script end to end.
 """
@@ -37,14 +41,19 @@ MM_PLUS_MM = [("mm+mm M=N=8192 K=128+128", 8192, 8192, 128, 128),
 # (name, side, M, K, P, N): P is the intermediate width (a@b is [M, P] for left).
 B2B = [("b2b left M=8192 K=N=128 P=8192", "left", 8192, 128, 8192, 128),
        ("b2b right M=128 K=128 P=8192 N=8192", "right", 128, 128, 8192, 8192)]
-# (name, M, N, K, scale mode)
-SCALED = [("fp8 8192^3 tensor-wise", 8192, 8192, 8192, "tensor"),
-          ("fp8 8192^3 row-wise", 8192, 8192, 8192, "row")]
+# (name, M, N, K, scale mode, use_fast_accum on both sides)
+SCALED = [("fp8 8192^3 tensor-wise", 8192, 8192, 8192, "tensor", False),
+          ("fp8 8192^3 row-wise", 8192, 8192, 8192, "row", False),
+          ("fp8 8192^3 tensor-wise fast accum", 8192, 8192, 8192, "tensor", True)]
+# (name, M, N, K, bits, group_size): weight-only quantized GEMM at decode shapes.
+MIXED = [(f"int{bits} {'per-channel' if g is None else f'g{g}'} M={m} N=K=8192", m, 8192, 8192,
+          bits, g) for m in (1, 16, 64) for bits, g in ((8, None), (4, None), (4, 128))]
 SMOKE_MM_PLUS_MM = [("smoke mm+mm", 64, 48, 32, 16)]
 SMOKE_B2B = [("smoke b2b left", "left", 64, 32, 128, 32),
              ("smoke b2b right", "right", 32, 32, 128, 64)]
-SMOKE_SCALED = [("smoke fp8 tensor-wise", 64, 48, 32, "tensor"),
-                ("smoke fp8 row-wise", 64, 48, 32, "row")]
+SMOKE_MIXED = [("smoke int8 per-channel", 4, 48, 64, 8, None), ("smoke int4 g32", 4, 48, 64, 4, 32)]
+SMOKE_SCALED = [("smoke fp8 tensor-wise", 64, 48, 32, "tensor", False),
+                ("smoke fp8 row-wise fast accum", 64, 48, 32, "row", True)]
 
 
 def _gelu(x):
@@ -116,7 +125,7 @@ def _scale_values(rng, m: int, n: int, mode: str):
     return [np.asarray(rng.uniform(0.5, 2.0, shape), np.float32) for shape in shapes]
 
 
-def bench_scaled(name, m, n, k, mode, *, smoke=False) -> dict:
+def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
     b = rng.standard_normal((k, n), np.float32)
@@ -124,17 +133,19 @@ def bench_scaled(name, m, n, k, mode, *, smoke=False) -> dict:
     copies = 2 if smoke else input_copies((m + n) * k)
     factors = [1 + i / copies for i in range(copies)]  # distinct copies, same fp8 range
     fp8 = jnp.float8_e4m3fn
-    a_dev, b_dev = jnp.asarray(a), jnp.asarray(b)
-    sets = [[(a_dev * f).astype(fp8), (b_dev * f).astype(fp8), jnp.asarray(scale_a),
+    # Both sides get b stored [N, K] (K-major, as torch._scaled_mm requires and as fp8 weights
+    # are kept); jattn receives its transpose, which cancels the kernel's own under jit.
+    a_dev, b_nk = jnp.asarray(a), jnp.asarray(np.ascontiguousarray(b.T))
+    sets = [[(a_dev * f).astype(fp8), (b_nk * f).astype(fp8), jnp.asarray(scale_a),
              jnp.asarray(scale_b)] for f in factors]
-    ours = jax.jit(lambda a, b, sa, sb: jattn.scaled_matmul(a, b, sa, sb))
+    ours = jax.jit(lambda a, b_nk, sa, sb: jattn.scaled_matmul(a, b_nk.T, sa, sb,
+                                                               use_fast_accum=fast))
     compile_s = first_call_seconds(ours, *sets[0])
     seconds = {"jattn": time_jax(ours, sets)}
     row = {"case": name, "baseline": "torch", "m": m, "n": n, "k": k, "mode": mode,
-           "first_call_s": compile_s}
+           "use_fast_accum": fast, "first_call_s": compile_s}
     torch = _torch_on_gpu()
     if torch is not None:
-        # torch._scaled_mm wants b column-major: build [N, K] rows and pass the transpose.
         a_t, b_t = torch.from_numpy(a).cuda(), torch.from_numpy(np.ascontiguousarray(b.T)).cuda()
         scales = [torch.from_numpy(s).cuda() for s in (scale_a, scale_b)]
         torch_sets = [[(a_t * f).to(torch.float8_e4m3fn), (b_t * f).to(torch.float8_e4m3fn).t(),
@@ -142,7 +153,7 @@ def bench_scaled(name, m, n, k, mode, *, smoke=False) -> dict:
 
         def baseline(a, b, sa, sb):
             return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                    use_fast_accum=False)
+                                    use_fast_accum=fast)
 
         seconds["torch"] = time_torch(baseline, torch_sets)
         theirs = baseline(*torch_sets[0]).float().cpu().numpy()
@@ -154,7 +165,50 @@ def bench_scaled(name, m, n, k, mode, *, smoke=False) -> dict:
     return row
 
 
+def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
+    """mixed_matmul against XLA dequantise-then-dot and the bf16 GEMMs (jattn and XLA)."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(0.05 * rng.standard_normal((k, n)), jnp.bfloat16)
+    qweight, scales = jattn.quantize_weight(w, bits, group_size)
+    quant_bytes, dense_bytes = qweight.nbytes + scales.nbytes, w.nbytes
+    copies = 2 if smoke else input_copies(dense_bytes)  # one count for every side
+    # Distinct weight buffers (rotated out of L2) and distinct activations per call.
+    quant_sets = [[a * (1 + i / copies), jnp.array(qweight, copy=True),
+                   jnp.array(scales, copy=True)] for i in range(copies)]
+    dense_sets = [[x, w * (1 + i / copies)] for i, (x, _, _) in enumerate(quant_sets)]
+    mode = dict(bits=bits, group_size=group_size)
+    ours = jax.jit(lambda a, q, s: jattn.mixed_matmul(a, q, s, **mode))
+
+    def dequantise_then_dot(a, q, s):
+        w = jattn.dequantize_weight(q, s, dtype=a.dtype, **mode)
+        return jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+    compile_s = first_call_seconds(ours, *quant_sets[0])
+    seconds = {"jattn": time_jax(ours, quant_sets),
+               "xla_dequant": time_jax(jax.jit(dequantise_then_dot), quant_sets),
+               "jattn_bf16": time_jax(jax.jit(jattn.matmul), dense_sets),
+               "xla_bf16": time_jax(jax.jit(_dot32), dense_sets)}
+    weight_bytes = {key: quant_bytes if key in ("jattn", "xla_dequant") else dense_bytes
+                    for key in seconds}
+    err = float(jnp.abs(ours(*quant_sets[0]).astype(jnp.float32)
+                        - dequantise_then_dot(*quant_sets[0]).astype(jnp.float32)).max())
+    return {"case": name, "baseline": "bf16", "m": m, "n": n, "k": k, **mode,
+            "seconds": seconds, "tflops": {key: 2 * m * n * k / t / 1e12
+                                           for key, t in seconds.items()},
+            "weight_gbps": {key: weight_bytes[key] / t / 1e9 for key, t in seconds.items()},
+            "vs_bf16": min(seconds["jattn_bf16"], seconds["xla_bf16"]) / seconds["jattn"],
+            "vs_xla_dequant": seconds["xla_dequant"] / seconds["jattn"],
+            "first_call_s": compile_s, "max_abs_diff_vs_xla_dequant": err}
+
+
 def _report(r: dict) -> str:
+    if "weight_gbps" in r:
+        rates = "  ".join(f"{key} {value:6.0f}" for key, value in r["weight_gbps"].items())
+        return (f"{r['case']:>38}: weight GB/s {rates}   best bf16 time / jattn time "
+                f"{r['vs_bf16']:.2f}   xla dequant time / jattn time {r['vs_xla_dequant']:.2f}"
+                f"   max |diff| {r['max_abs_diff_vs_xla_dequant']:.3g}   "
+                f"first call {r['first_call_s']:.2f}s")
     base = r["baseline"]
     rates = "  ".join(f"{key} {value:7.2f}" for key, value in r["tflops"].items())
     if f"vs_{base}" not in r:
@@ -175,6 +229,7 @@ def main(argv=None):
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
     cases = [(bench_mm_plus_mm, c) for c in (SMOKE_MM_PLUS_MM if args.smoke else MM_PLUS_MM)]
     cases += [(bench_b2b, c) for c in (SMOKE_B2B if args.smoke else B2B)]
+    cases += [(bench_mixed, c) for c in (SMOKE_MIXED if args.smoke else MIXED)]
     cases += [(bench_scaled, c) for c in (SMOKE_SCALED if args.smoke else SCALED)]
     rows = []
     for bench, case in cases:

@@ -12,7 +12,10 @@ from jattn._src.gemm.api import matmul as matmul
 from jattn._src.gemm.b2b import b2b_matmul as b2b_matmul
 from jattn._src.gemm.config import B2BConfig as B2BConfig
 from jattn._src.gemm.config import MatmulConfig as MatmulConfig
+from jattn._src.gemm.mixed_matmul import mixed_matmul as mixed_matmul
 from jattn._src.gemm.mm_plus_mm import mm_plus_mm as mm_plus_mm
+from jattn._src.gemm.quantize import dequantize_weight as dequantize_weight
+from jattn._src.gemm.quantize import quantize_weight as quantize_weight
 from jattn._src.gemm.scaled_matmul import scaled_matmul as scaled_matmul
 from jattn._src.masks.block_mask import BlockMask as BlockMask
 from jattn._src.masks.create import create_block_mask as create_block_mask

@@ -29,17 +29,37 @@ from jattn._src.tiling import COMPILERS
 _PARAM = re.compile(r"\.param\s")
 
 
+_DOT = re.compile(r"(= tt\.dot [^:\n]*?)( : tensor<)")
+
+
 @dataclasses.dataclass(frozen=True)
 class _TritonCompiled(plgpu.CompilerParams):
-    """Launch parameters of a kernel that the `triton` package compiles."""
+    """Launch parameters of a kernel that the `triton` package compiles.
+
+    max_num_imprecise_acc: Triton's fp8 dot knob, which Pallas leaves at 0 (set on every dot
+    when not None): fp8 products accumulate this many K elements in the tensor core's reduced
+    precision before each promotion into the float32 accumulator; 0 promotes after every MMA
+    instruction (slow), 2**30 never (Triton's own Hopper default).
+    """
+
+    max_num_imprecise_acc: int | None = None
 
 
-def compiler_params(num_warps: int, num_stages: int, *, compiler: str = "xla"):
-    """Pallas compiler params for `compiler`: "xla" (jax's stock path) or "triton"."""
+def compiler_params(num_warps: int, num_stages: int, *, compiler: str = "xla",
+                    max_num_imprecise_acc: int | None = None):
+    """Pallas compiler params for `compiler`: "xla" (jax's stock path) or "triton".
+
+    max_num_imprecise_acc (see _TritonCompiled) needs compiler="triton"; where `triton` is not
+    installed the kernel falls back to XLA's compiler and Pallas' 0.
+    """
     if compiler not in COMPILERS:
         raise ValueError(f"compiler must be one of {COMPILERS}, got {compiler!r}.")
-    params = _TritonCompiled if compiler == "triton" and _register() else plgpu.CompilerParams
-    return params(num_warps=num_warps, num_stages=num_stages)
+    if compiler != "triton" and max_num_imprecise_acc is not None:
+        raise ValueError("max_num_imprecise_acc takes effect with compiler='triton' only.")
+    if compiler == "triton" and _register():
+        return _TritonCompiled(num_warps=num_warps, num_stages=num_stages,
+                               max_num_imprecise_acc=max_num_imprecise_acc)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def triton_compiler_available() -> bool:
@@ -69,8 +89,18 @@ def _gpus() -> list:
         return []
 
 
+def _with_imprecise_acc(ttir: str, value: int) -> str:
+    """The IR with maxNumImpreciseAcc = value on every tt.dot (printed only when not 0)."""
+    ttir, count = _DOT.subn(rf"\1 {{maxNumImpreciseAcc = {value} : i32}}\2", ttir)
+    if count != ttir.count("tt.dot "):
+        raise RuntimeError("jattn: could not set maxNumImpreciseAcc on every tt.dot of a "
+                           "kernel; the Triton IR format may have changed.")
+    return ttir
+
+
 @functools.cache  # a kernel lowered again (another jit of the same call) compiles once
-def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
+def _compile(ttir: str, num_warps: int, num_stages: int, capability: int,
+             max_num_imprecise_acc: int | None = None):
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -97,7 +127,12 @@ def _compile(ttir: str, num_warps: int, num_stages: int, capability: int):
     module = ir.parse_mlir_module(source, context)
     module.context = context
     backend.make_ttir(module, {}, backend.parse_options(options), capability)
-    _write(optimized, str(module))
+    optimized_ir = str(module)
+    if max_num_imprecise_acc is not None:
+        # After the passes, which fuse `acc + dot(a, b)` into dot(a, b, acc) only while the
+        # knob is 0; the fused fp8 dot then promotes its partial sums into acc itself.
+        optimized_ir = _with_imprecise_acc(optimized_ir, max_num_imprecise_acc)
+    _write(optimized, optimized_ir)
     return triton.compile(optimized, target=target, options=options)
 
 
@@ -132,7 +167,8 @@ def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_ou
     result = lowering.lower_jaxpr_to_triton_module(jaxpr, grid_mapping, "cuda", capability,
                                                    mlir_ctx=ctx.module_context)
     ttir = result.module.operation.get_asm()
-    kernel = _compile(ttir, compiler_params.num_warps, compiler_params.num_stages, capability)
+    kernel = _compile(ttir, compiler_params.num_warps, compiler_params.num_stages, capability,
+                      compiler_params.max_num_imprecise_acc)
     if getattr(kernel.metadata, "global_scratch_size", 0) or getattr(
             kernel.metadata, "profile_scratch_size", 0):
         return fallback()  # would need scratch buffers the launcher does not allocate

@@ -75,16 +75,18 @@ def test_mixed_scale_modes_and_2d_scales(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_fast_accum_flag_gives_the_same_result(impl):
-    """use_fast_accum selects the same path (see the docstring): equal results, both golden."""
+def test_both_accumulation_modes_match_golden(impl):
+    """use_fast_accum changes the GPU kernel's fp8 accumulation only (see the docstring): both
+    modes meet the golden tolerance; the xla and interpret paths give equal results."""
     rng = np.random.default_rng(3)
-    args = _inputs(rng, 64, 32, 96, jnp.float8_e4m3fn, "tensor")
+    args = _inputs(rng, 64, 32, 256, jnp.float8_e4m3fn, "tensor")
     outs = []
     for fast in (False, True):
         _check(impl, *args, jnp.float32, config=SMALL, use_fast_accum=fast)
         outs.append(jattn.scaled_matmul(*args[:4], bias=args[4], out_dtype=jnp.float32,
                                         config=SMALL, use_fast_accum=fast, implementation=impl))
-    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+    if impl != "pallas_triton":
+        np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.pallas_triton_masked import both, bounds, load, store
+from jattn._src.pallas_triton_compile import compiler_params
 from jattn._src.pallas_triton_lookup import call_in_kernel
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import TracedFunction
@@ -42,6 +42,25 @@ def _tile_coords(grid_ids: Sequence[Any], tiles_m: int, tiles_n: int, group_m: i
     rows_in_group = jnp.minimum(tiles_m - first_m, group_m)
     within = grid_ids[0] % tiles_per_group
     return first_m + within % rows_in_group, within // rows_in_group
+
+
+def walk_k(step, k: int, bk: int, split_k: int, split_id, acc):
+    """acc after step(i, acc[, k_bound]) over this program's share of the cdiv(k, bk) K steps.
+
+    Whole steps run unmasked along K in a loop, then the ragged tail (if any) with
+    k_bound=k. With split_k > 1, program `split_id` of the split owns a contiguous run of steps.
+    """
+    full_k_steps, k_tail = divmod(k, bk)
+    if split_k == 1:
+        acc = lax.fori_loop(0, full_k_steps, step, acc)
+        return step(full_k_steps, acc, k_bound=k) if k_tail else acc
+    steps_per_split = cdiv(cdiv(k, bk), split_k)
+    first = split_id * steps_per_split
+    acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, full_k_steps), step, acc)
+    if not k_tail:
+        return acc
+    owns_tail = (first <= full_k_steps) & (full_k_steps < first + steps_per_split)
+    return lax.cond(owns_tail, lambda a: step(full_k_steps, a, k_bound=k), lambda a: a, acc)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -84,26 +103,13 @@ def _matmul_kernel(*refs, m: int, n: int, ks: tuple[int, ...], config: MatmulCon
         dims = (((0 if transpose_a else 1,), (1 if transpose_b else 0,)), ((), ()))
         return acc + lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
-    # ---- main loop: whole K steps unmasked along K, then the ragged tail ------------------------
-    # With several operand pairs (mm_plus_mm), each pair's K range adds into the same acc.
+    # ---- main loop; with several operand pairs (mm_plus_mm) each adds into the same acc -------
     acc = jnp.zeros((bm, bn), jnp.float32)
     tile_mask = both(row_mask, col_mask)
-    if split_k == 1:
-        for a_ref, b_ref, k in zip(operand_refs[::2], operand_refs[1::2], ks):
-            full_k_steps, k_tail = divmod(k, bk)
-            acc = lax.fori_loop(0, full_k_steps, functools.partial(k_step, a_ref, b_ref), acc)
-            if k_tail:
-                acc = k_step(a_ref, b_ref, full_k_steps, acc, k_bound=k)
-    else:  # one operand pair (the launcher checks)
-        (k,), step = ks, functools.partial(k_step, *operand_refs)
-        full_k_steps, k_tail = divmod(k, bk)
-        steps_per_split = cdiv(cdiv(k, bk), split_k)
-        first = pl.program_id(len(grid_ids)) * steps_per_split
-        acc = lax.fori_loop(first, jnp.minimum(first + steps_per_split, full_k_steps), step, acc)
-        if k_tail:
-            owns_tail = (first <= full_k_steps) & (full_k_steps < first + steps_per_split)
-            acc = lax.cond(owns_tail, lambda a: step(full_k_steps, a, k_bound=k),
-                           lambda a: a, acc)
+    for a_ref, b_ref, k in zip(operand_refs[::2], operand_refs[1::2], ks):
+        acc = walk_k(functools.partial(k_step, a_ref, b_ref), k, bk, split_k,
+                     split_id=pl.program_id(len(grid_ids)) if split_k > 1 else 0, acc=acc)
+    if split_k > 1:  # fp32 partial sums; the caller adds them and applies the rest
         store(out_refs[0], ..., acc, tile_mask)
         return
 
@@ -164,40 +170,45 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, bias: jax
                    name="jattn_mm_plus_mm")
 
 
+# use_fast_accum=False: fp8 partial sums are promoted into the float32 accumulator at least
+# every this many K elements (DeepSeek's DeepGEMM promotes every 128).
+FP8_PROMOTION_INTERVAL = 128
+
+
 def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
                   bias: jax.Array | None, *, config: MatmulConfig, out_dtype,
-                  interpret: bool = False):
+                  use_fast_accum: bool = False, interpret: bool = False):
     """(a @ b) * scale_a * scale_b (+ bias[None, :]) on fp8 operands, fp32 accumulation.
 
     a: [M, K], b: [K, N], both the same float8 dtype; scale_a: [M, 1] (row-wise) or [1, 1]
     (tensor-wise) float32; scale_b: [1, N] or [1, 1] float32; bias: [N] or None. Returns
     [M, N] of out_dtype; config.split_k must be 1.
+
+    The kernel reads b as its transpose [N, K]: Hopper's fp8 tensor-core MMA takes both
+    operands K-major, and a row-major [K, N] panel would be transposed on chip every K step.
+    When b is itself a transpose (weights stored [N, K]), XLA cancels the two under jit.
+
+    Accumulation (compiled by the `triton` package, which sets Triton's fp8 knob that Pallas
+    does not expose): use_fast_accum leaves it to the tensor core's reduced-precision
+    accumulator throughout; otherwise partial sums are promoted into the float32 accumulator
+    every min(block_k, FP8_PROMOTION_INTERVAL) K elements. Without `triton`, XLA's compiler
+    runs Pallas' default, which promotes after every MMA instruction and is far slower.
     """
     if config.split_k != 1:
         raise ValueError(f"scaled_matmul runs without split-K, got split_k={config.split_k}.")
     scales = [("tensor" if scale_a.size == 1 else "row", scale_a),
               ("tensor" if scale_b.size == 1 else "col", scale_b)]
-    return _launch([(a, b)], bias, (), config=config, out_dtype=out_dtype, epilogue=None,
+    promotion = 2**30 if use_fast_accum else min(config.block_k, FP8_PROMOTION_INTERVAL)
+    return _launch([(a, b.T)], bias, (), config=config, out_dtype=out_dtype, epilogue=None,
                    save_preact=False, interpret=interpret, name="jattn_scaled_matmul",
-                   scales=scales)
+                   transpose_b=True, scales=scales, max_num_imprecise_acc=promotion)
 
 
-def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
-            config: MatmulConfig, out_dtype, epilogue, save_preact: bool, interpret: bool,
-            name: str, transpose_a: bool = False, transpose_b: bool = False,
-            scales: Sequence[tuple[str, jax.Array]] = ()):
-    """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call.
-
-    scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
-    "col" [1, N] or "tensor" [1, 1].
+def tile_grid(m: int, n: int, config: MatmulConfig):
+    """(grid, rows, cols) of an [m, n] output: rows(*ids) and cols(*ids) give a program's row
+    and column tile (for BlockSpec index maps); the last grid axis is the split with split_k > 1.
     """
-    a, b = pairs[0]
-    m = a.shape[1] if transpose_a else a.shape[0]
-    n = b.shape[0] if transpose_b else b.shape[1]
-    ks = tuple(x.shape[0] if transpose_a else x.shape[1] for x, _ in pairs)
-    bm, bn = config.block_m, config.block_n
-
-    tiles = (cdiv(m, bm), cdiv(n, bn))
+    tiles = (cdiv(m, config.block_m), cdiv(n, config.block_n))
     grid = tiles if config.group_m == 1 else (tiles[0] * tiles[1],)
     tile_axes = len(grid)
     if config.split_k > 1:
@@ -209,6 +220,40 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     def cols(*ids):
         return _tile_coords(ids[:tile_axes], *tiles, config.group_m)[1]
 
+    return grid, rows, cols
+
+
+def tile_outputs(m: int, n: int, config: MatmulConfig, out_dtype, rows, cols, *,
+                 save_preact: bool = False):
+    """(out_shape, out_specs): [m, n] of out_dtype (and its fp32 pre-epilogue twin if
+    save_preact), or with split_k > 1 the fp32 partial sums [split_k, m, n]."""
+    bm, bn = config.block_m, config.block_n
+    if config.split_k > 1:
+        return ([jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32)],
+                [pl.BlockSpec((None, bm, bn), lambda *ids: (ids[-1], rows(*ids), cols(*ids)))])
+    tile_spec = pl.BlockSpec((bm, bn), lambda *ids: (rows(*ids), cols(*ids)))
+    dtypes = [out_dtype] + ([jnp.float32] if save_preact else [])
+    return [jax.ShapeDtypeStruct((m, n), dtype) for dtype in dtypes], [tile_spec] * len(dtypes)
+
+
+def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
+            config: MatmulConfig, out_dtype, epilogue, save_preact: bool, interpret: bool,
+            name: str, transpose_a: bool = False, transpose_b: bool = False,
+            scales: Sequence[tuple[str, jax.Array]] = (),
+            max_num_imprecise_acc: int | None = None):
+    """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call.
+
+    scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
+    "col" [1, N] or "tensor" [1, 1]. max_num_imprecise_acc: Triton's fp8 accumulation knob; a
+    value compiles the kernel with the `triton` package (see pallas_triton_compile).
+    """
+    a, b = pairs[0]
+    m = a.shape[1] if transpose_a else a.shape[0]
+    n = b.shape[0] if transpose_b else b.shape[1]
+    ks = tuple(x.shape[0] if transpose_a else x.shape[1] for x, _ in pairs)
+    bm, bn = config.block_m, config.block_n
+
+    grid, rows, cols = tile_grid(m, n, config)
     in_specs = []
     for k in ks:
         # Panels span all of K, rounded up to whole K steps: a window past the end is masked on
@@ -231,18 +276,8 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     # Captured arrays stay whole in memory; the epilogue reads the elements it indexes.
     in_specs += [pl.BlockSpec(c.shape, lambda *ids, nd=jnp.ndim(c): (0,) * nd) for c in captures]
 
-    tile_spec = pl.BlockSpec((bm, bn), lambda *ids: (rows(*ids), cols(*ids)))
-    if config.split_k > 1:
-        out_shape = [jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, bm, bn),
-                                  lambda *ids: (ids[-1], rows(*ids), cols(*ids)))]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-        out_specs = [tile_spec]
-        if save_preact:
-            out_shape.append(jax.ShapeDtypeStruct((m, n), jnp.float32))
-            out_specs.append(tile_spec)
-
+    out_shape, out_specs = tile_outputs(m, n, config, out_dtype, rows, cols,
+                                        save_preact=save_preact)
     kernel = functools.partial(
         _matmul_kernel, m=m, n=n, ks=ks, config=config, transpose_a=transpose_a,
         transpose_b=transpose_b, has_bias=bias is not None, num_captures=len(captures),
@@ -256,8 +291,10 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
+        compiler_params=compiler_params(
+            config.num_warps, config.num_stages,
+            compiler="xla" if max_num_imprecise_acc is None else "triton",
+            max_num_imprecise_acc=max_num_imprecise_acc),
         interpret=interpret,
         name=name,
     )(*operands)

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn._src.gemm.quantize import dequantize_weight
+
 
 def matmul_reference(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
                      epilogue: Callable[..., jax.Array] | None = None,
@@ -80,3 +82,15 @@ def scaled_matmul_reference(a: jax.Array, b: jax.Array, scale_a: jax.Array, scal
     if bias is not None:
         acc = acc + bias.astype(acc_dtype)
     return acc.astype(out_dtype)
+
+
+def mixed_matmul_reference(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: int,
+                           group_size: int | None = None) -> jax.Array:
+    """a @ W with W = q · scales dequantised to a's dtype first ("dequantise, then dot").
+
+    In bf16/f16 the weight is rounded before the product (what a user without the fused kernel
+    gets); float64 inputs give the exact golden value.
+    """
+    w = dequantize_weight(qweight, scales, bits=bits, group_size=group_size, dtype=a.dtype)
+    acc = jnp.matmul(a, w, preferred_element_type=jnp.promote_types(a.dtype, jnp.float32))
+    return acc.astype(a.dtype)

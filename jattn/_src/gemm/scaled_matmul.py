@@ -52,20 +52,21 @@ def _canonical_scale(name: str, scale: Any, per: str, row_wise_shapes,
                      f"or {expected} (row-wise, one scale per {per}).")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scaled_matmul(options: Options, a, b, scale_a, scale_b, bias):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _scaled_matmul(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):
     if options.implementation == "xla":
         return xla.scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype=options.out_dtype)
     return pallas_triton.scaled_matmul(a, b, scale_a, scale_b, bias, config=options.config,
                                        out_dtype=options.out_dtype,
+                                       use_fast_accum=use_fast_accum,
                                        interpret=options.implementation == "interpret")
 
 
-def _scaled_matmul_fwd(options: Options, a, b, scale_a, scale_b, bias):
-    return _scaled_matmul(options, a, b, scale_a, scale_b, bias), None
+def _scaled_matmul_fwd(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):
+    return _scaled_matmul(options, use_fast_accum, a, b, scale_a, scale_b, bias), None
 
 
-def _scaled_matmul_bwd(options: Options, res, d_out):
+def _scaled_matmul_bwd(options: Options, use_fast_accum: bool, res, d_out):
     raise NotImplementedError(
         f"{_OP} is a forward (inference) op and has no gradient. To train through an fp8 "
         "product, differentiate jattn.matmul on the dequantised operands instead, e.g. "
@@ -95,11 +96,13 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
         Each scale picks its mode independently.
       bias: optional [N], any float dtype, added after scaling.
       out_dtype: bfloat16 (default), float16 or float32.
-      use_fast_accum: accepted for torch._scaled_mm parity; both values run the same path.
-        Pallas' Triton lowering exposes no `max_num_imprecise_acc` and leaves the dot's
-        `maxNumImpreciseAcc` at Triton's op default (0): on Hopper that is the precise mode,
-        every fp8 MMA's partial sum promoted into the float32 accumulator, and the kernel adds
-        each K step's dot into that accumulator (not yet measured against the fast mode).
+      use_fast_accum: as torch._scaled_mm's. False: the tensor cores' fp8 partial sums are
+        promoted into the float32 accumulator every min(block_k, 128) K elements (as
+        DeepGEMM does); True: the tensor cores accumulate the whole K range themselves (faster,
+        less accurate for long K). Both need the `triton` package on the GPU (it compiles the
+        kernel with Triton's fp8 accumulation setting, which Pallas does not expose); without
+        it the kernel promotes after every MMA instruction and runs far slower. The xla and
+        interpret implementations accumulate in float32 either way.
       config: a MatmulConfig (used as given, split_k must be 1), or None (cached tuning result,
         else the heuristic, run without split-K).
       implementation: "pallas_triton", "xla" or "interpret", as in `jattn.matmul`.
@@ -123,4 +126,4 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
     scale_b = _canonical_scale("scale_b", scale_b, "column of b", ((n,), (1, n)), (1, n))
     options, _ = make_options(_OP, m, n, k, a.dtype, bias, None, out_dtype, config,
                               implementation, split_k=False)
-    return _scaled_matmul(options, a, b, scale_a, scale_b, bias)
+    return _scaled_matmul(options, use_fast_accum, a, b, scale_a, scale_b, bias)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jattn._src.gemm import quantize
 from jattn._src.user_functions import TracedFunction
 
 
@@ -74,3 +75,15 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
     acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
                   preferred_element_type=jnp.float32)
     return apply_epilogue(acc * scale_a * scale_b, bias, (), None, out_dtype, False)
+
+
+def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: int,
+                 group_size: int | None, out_dtype):
+    """Same contract as `pallas_triton_mixed.mixed_matmul` with split_k == 1.
+
+    The weight is dequantised in float32 and multiplied at full float32 precision: the kernel's
+    math (exact integer widening, fp32 accumulation, scales in fp32) up to summation order.
+    """
+    w = quantize.dequantize_weight(qweight, scales, bits=bits, group_size=group_size)
+    return jnp.dot(a.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).astype(out_dtype)
