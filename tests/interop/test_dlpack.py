@@ -8,8 +8,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from interop import _dlpack  # noqa: E402
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.bool,
-          torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8, torch.int32,
+          torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _pointer(array: jax.Array) -> int:

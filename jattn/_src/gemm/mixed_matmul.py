@@ -88,20 +88,21 @@ def _check_inputs(a, qweight, scales, bits, group_size) -> tuple[int, int]:
     k = a.shape[-1]
     expected_dtype = _QWEIGHT_DTYPES[bits]
     if qweight.dtype != expected_dtype:
-        layout = "int8 [K, N]" if bits == 8 else "uint8 [K/2, N], two int4 values per byte"
+        layout = "int8 [N, K]" if bits == 8 else "uint8 [N, K/2], two int4 values per byte"
         raise TypeError(f"{_OP}: bits={bits} takes `qweight` as {layout}, got dtype "
                         f"{qweight.dtype}; build it with jattn.quantize_weight(w, bits={bits}).")
     if bits == 4 and k % 2:
         raise ValueError(f"{_OP}: int4 weights pack two K rows per byte, so K must be even; "
                          f"`a` {a.shape} has K={k}. Pad K with a zero column of a and a zero "
                          "row of the weight.")
-    rows = k if bits == 8 else k // 2
-    if qweight.ndim != 2 or qweight.shape[0] != rows:
-        packed = "" if bits == 8 else " (K/2 packed rows)"
-        raise ValueError(f"{_OP}: `qweight` must be [{rows}, N]{packed} for `a` {a.shape} with "
-                         f"K={k}, got shape {qweight.shape}.")
-    quantize.check_group_size(_OP, bits, k, group_size)
-    n = qweight.shape[1]
+    width = k if bits == 8 else k // 2
+    if qweight.ndim != 2 or qweight.shape[1] != width:
+        packed = "" if bits == 8 else " (K/2 packed bytes)"
+        raise ValueError(f"{_OP}: `qweight` must be [N, {width}]{packed}, output channels "
+                         f"first, for `a` {a.shape} with K={k}; got shape {qweight.shape} "
+                         "(jattn.quantize_weight builds it from a [K, N] weight).")
+    quantize.check_group_size(_OP, k, group_size)
+    n = qweight.shape[0]
     if not jnp.issubdtype(scales.dtype, jnp.floating):
         raise TypeError(f"{_OP}: `scales` must be floating point, got {scales.dtype}.")
     if group_size is None and scales.shape not in ((n,), (1, n)):
@@ -120,9 +121,6 @@ def _resolve_config(config, m: int, n: int, k: int, bits: int) -> MatmulConfig:
         return heuristic_mixed_config(m, n, k, bits)
     if not isinstance(config, MatmulConfig):
         raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
-    if bits == 4 and config.block_k < 32:
-        raise ValueError(f"{_OP}: int4 needs config.block_k >= 32 (each K step runs two dots "
-                         f"of half its depth), got block_k={config.block_k}.")
     return config
 
 
@@ -137,15 +135,15 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
 
     Args:
       a: [..., M, K] bfloat16 or float16 activations; leading dims are flattened into M.
-      qweight: from `jattn.quantize_weight`: int8 [K, N] (bits=8) or uint8 [K/2, N] (bits=4:
-        two int4 values per byte along K, even k in the low nibble, each stored + 8).
+      qweight: from `jattn.quantize_weight`, output channels first (K contiguous, as
+        torch.nn.Linear's weight): int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4: two int4
+        values per byte along K, even k in the low nibble, each stored + 8).
       scales: any float dtype; [N] or [1, N] per output channel (group_size None), or
         [K / group_size, N] per group of K rows.
       bits: 8 or 4.
-      group_size: None, or the K rows sharing a scale: a multiple of 16 (int8) or 32 (int4)
-        dividing K.
-      config: a MatmulConfig (used as given; int4 needs block_k >= 32; split_k > 1 sums fp32
-        partials in XLA) or None (heuristic).
+      group_size: None, or the K rows sharing a scale: a multiple of 16 dividing K.
+      config: a MatmulConfig (used as given; split_k > 1 sums fp32 partials in XLA) or None
+        (heuristic).
       implementation: "pallas_triton", "xla" (dequantises in float32, then one dot) or
         "interpret", as in `jattn.matmul`.
 

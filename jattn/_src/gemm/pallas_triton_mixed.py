@@ -1,13 +1,13 @@
 """The weight-only quantized GEMM kernel (int8, or int4 two per byte) in Pallas, lowered to Triton.
 
-a [M, K] (bf16 or f16) times a weight held as integers: int8 [K, N], or uint8 [K/2, N] with two
-int4 values per byte along K (even k in the low nibble, odd k in the high one, each stored + 8).
-Each K step loads the integer tile, widens it to a's dtype in registers by bit pattern (exact,
-no conversion instructions; see _MAGIC) and runs a tensor-core dot into fp32; the dequantised
-weight never exists in memory. For int4 the
-packed tile [bk/2, bn] is used as two halves: its low nibbles (even k) times the even columns of
-a's tile, its high nibbles (odd k) times the odd columns (stride-2 loads of a), two dots of depth
-bk/2 instead of interleaving nibbles on chip.
+a [M, K] (bf16 or f16) times a weight held as integers, stored output-channel-major (K
+contiguous, as torch.nn.Linear keeps weights): int8 [N, K], or uint8 [N, K/2] with two int4
+values per byte along K (even k in the low nibble, odd k in the high one, each stored + 8).
+Each K step loads the integer tile [bn, chunk] (or [bn, chunk/2] bytes), widens it to a's dtype
+in registers and runs a tensor-core dot against its transpose into fp32; the dequantised weight
+never exists in memory. Read K-major, each byte already holds the two neighbouring k the dot
+wants side by side: the nibbles are joined along a new minor axis, not interleaved through
+memory. int4 values are widened by bit pattern (see _MAGIC); int8 by a conversion.
 
 Scales: per channel ([1, N]) multiply the finished fp32 tile. Per group of `group_size` K rows
 ([K / group_size, N]) multiply each group's partial dot, so a K step is walked in chunks that lie
@@ -36,7 +36,7 @@ def _dot(x, y):
     return jnp.dot(x, y, preferred_element_type=jnp.float32)
 
 
-# Integer -> float without conversion instructions (a quarter-rate unit that would bound the
+# Integer -> float without conversion instructions (a quarter-rate unit that bounded the int4
 # kernel): OR-ing an unsigned u < 2^mantissa_bits into the bit pattern of a power of two `base`
 # gives the float base + u exactly. A dot on such tiles exceeds the true one by
 # (base + bias) · rowsum(a), which is subtracted in fp32 ((bits of base, base) per dtype).
@@ -52,16 +52,9 @@ def _row_sum(x):
     return jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
 
 
-def _int8_dot(a, q):
-    """a @ q in fp32 for an int8 tile q, widened by bit pattern (see _MAGIC)."""
-    dtype, base = a.dtype, _MAGIC[jnp.dtype(a.dtype)][1]
-    u = q.astype(jnp.int16) + 128  # in [0, 256)
-    if dtype == jnp.float16:  # 10 mantissa bits hold u whole: tiles are base + 128 + q
-        return _dot(a, _biased(u, dtype)) - (base + 128) * _row_sum(a)
-    # bfloat16 holds 7 bits: u = 16 h + l as two nibble tiles, 16 (base + h) + (base + l)
-    # = 17 base + 128 + q.
-    dots = 16 * _dot(a, _biased(u >> 4, dtype)) + _dot(a, _biased(u & 15, dtype))
-    return dots - (17 * base + 128) * _row_sum(a)
+def _dot_t(x, w):
+    """x [m, k] @ w[n, k]ᵀ in fp32."""
+    return lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def group_chunk(group_size: int, block_k: int) -> int:
@@ -78,41 +71,39 @@ def _mixed_kernel(a_ref, q_ref, s_ref, out_ref, *, m: int, n: int, k: int, bits:
     m0, n0 = pid_m * bm, pid_n * bn
     row_mask = bounds(m0, bm, m if m % bm else None, 0)
     col_mask = bounds(n0, bn, n if n % bn else None, 1)
+    channel_mask = bounds(n0, bn, n if n % bn else None, 0)  # the weight tile's rows
     chunk = bk if group_size is None else group_chunk(group_size, bk)
+    width = chunk * bits // 8  # bytes of one weight row per chunk
 
-    def chunk_dot(k0, k_bound):
-        """a[rows, k0:k0+chunk] @ the chunk's integer weight rows (unscaled), in fp32."""
+    def chunk_dot(k0, w0, k_bound):
+        """a[rows, k0:k0+chunk] @ the chunk's integer weight rows (unscaled), in fp32; w0 is
+        the chunk's first weight byte."""
+        a = load(a_ref, (slice(None), pl.ds(k0, chunk)),
+                 both(row_mask, bounds(k0, chunk, k_bound, 1)))
+        # K is even for int4, so a ragged tail ends on a whole byte.
+        w_bound = None if k_bound is None else k_bound * bits // 8
+        q = load(q_ref, (slice(None), pl.ds(w0, width)),
+                 both(channel_mask, bounds(w0, width, w_bound, 1)))
         if bits == 8:
-            a = load(a_ref, (slice(None), pl.ds(k0, chunk)),
-                     both(row_mask, bounds(k0, chunk, k_bound, 1)))
-            q = load(q_ref, (pl.ds(k0, chunk), slice(None)),
-                     both(bounds(k0, chunk, k_bound, 0), col_mask))
-            return _int8_dot(a, q)
-        # int4: packed row i holds k = 2i (low nibble) and 2i + 1 (high); K is even, so the
-        # same packed-row bound masks both halves of a ragged tail.
-        half, h0 = chunk // 2, k0 // 2
-        h_bound = None if k_bound is None else k_bound // 2
-        a_mask = both(row_mask, bounds(h0, half, h_bound, 1))
-        # Stride-2 columns through index tensors (the interpreter has no strided slices).
-        rows = lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        even = k0 + 2 * lax.broadcasted_iota(jnp.int32, (1, half), 1)
-        a_even = load(a_ref, (rows, even), a_mask)
-        a_odd = load(a_ref, (rows, even + 1), a_mask)
-        packed = load(q_ref, (pl.ds(h0, half), slice(None)),
-                      both(bounds(h0, half, h_bound, 0), col_mask)).astype(jnp.int16)
-        # Nibbles hold q + 8, so each widened tile is base + 8 + q.
-        dtype = a_even.dtype
-        dots = _dot(a_even, _biased(packed & 15, dtype)) + _dot(a_odd, _biased(packed >> 4, dtype))
-        return dots - (_MAGIC[dtype][1] + 8) * (_row_sum(a_even) + _row_sum(a_odd))
+            return _dot_t(a, q.astype(a.dtype))
+        # Each byte holds q + 8 for k = 2i (low nibble) and 2i + 1 (high): joined as neighbours.
+        packed = q.astype(jnp.int16)
+        nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bn, chunk)
+        return _dot_t(a, _biased(nibbles, a.dtype)) - (_MAGIC[a.dtype][1] + 8) * _row_sum(a)
 
     def k_step(step, acc, k_bound=None):
         static = isinstance(step, int)  # the ragged tail's step is known at trace time
         for c in range(bk // chunk):
             if static and step * bk + c * chunk >= k:
                 break  # a chunk wholly past K (per-group tails end on a group boundary)
-            k0 = (jnp.int32(step * bk + c * chunk) if static
-                  else pl.multiple_of(step * bk, bk) + c * chunk)
-            part = chunk_dot(k0, k_bound)
+            if static:
+                k0 = jnp.int32(step * bk + c * chunk)
+                w0 = jnp.int32((step * bk + c * chunk) * bits // 8)
+            else:  # offsets with alignment hints, so that Triton vectorises the loads
+                step_bytes = bk * bits // 8
+                k0 = pl.multiple_of(step * bk, bk) + c * chunk
+                w0 = pl.multiple_of(step * step_bytes, step_bytes) + c * width
+            part = chunk_dot(k0, w0, k_bound)
             if group_size is not None:
                 scale = load(s_ref, (pl.ds(k0 // group_size, 1), slice(None)), col_mask)
                 part = part * scale.astype(jnp.float32)
@@ -131,19 +122,19 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
                  interpret: bool = False) -> jax.Array:
     """a @ dequantise(qweight, scales), dequantising in registers, fp32 accumulation.
 
-    a: [M, K] bfloat16 or float16. qweight: int8 [K, N] (bits=8) or uint8 [K/2, N] (bits=4,
+    a: [M, K] bfloat16 or float16. qweight: int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4,
     K even). scales: [1, N] (per channel, group_size None) or [K / group_size, N], any float
-    dtype. group_size: a multiple of 16 (bits=8) or 32 (bits=4) dividing K, or None.
+    dtype. group_size: a multiple of 16 dividing K, or None.
     Returns [M, N] of out_dtype, or with config.split_k > 1 the fp32 partial sums
     [split_k, M, N], to be added by the caller.
     """
-    (m, k), n = a.shape, qweight.shape[1]
+    (m, k), n = a.shape, qweight.shape[0]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     grid, rows, cols = tile_grid(m, n, config)
     k_span = cdiv(k, bk) * bk  # whole K steps: windows past the end are masked (see matmul)
     in_specs = [
         pl.BlockSpec((bm, k_span), lambda *ids: (rows(*ids), 0)),
-        pl.BlockSpec((k_span * bits // 8, bn), lambda *ids: (0, cols(*ids))),
+        pl.BlockSpec((bn, k_span * bits // 8), lambda *ids: (cols(*ids), 0)),
         pl.BlockSpec((scales.shape[0], bn), lambda *ids: (0, cols(*ids))),
     ]
     out_shape, out_specs = tile_outputs(m, n, config, out_dtype, rows, cols)

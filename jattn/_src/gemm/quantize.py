@@ -1,9 +1,11 @@
 """Weight-only quantisation for `jattn.mixed_matmul`: int8, or int4 packed two per byte.
 
 Symmetric and zero-point free: w ≈ q · scale with one scale per output channel (column of the
-[K, N] weight) or per group of `group_size` consecutive K rows of a channel. int4 values are
-packed along K as the seed's uint4x2 template reads them: byte [i, n] holds q[2i, n] + 8 in its
-low nibble and q[2i + 1, n] + 8 in its high nibble.
+[K, N] weight) or per group of `group_size` consecutive K rows of a channel. The integers are
+stored output-channel-major, K contiguous (the layout of torch.nn.Linear's weight, and the one
+the GPU kernel reads as Hopper's tensor cores want it): int8 [N, K], or int4 packed along K as
+the seed's uint4x2 template packs it, byte [n, i] holding q[2i, n] + 8 in its low nibble and
+q[2i + 1, n] + 8 in its high nibble: uint8 [N, K/2].
 """
 
 from __future__ import annotations
@@ -20,40 +22,40 @@ def check_bits(op: str, bits) -> None:
         raise ValueError(f"{op}: `bits` must be 8 or 4, got {bits!r}.")
 
 
-def check_group_size(op: str, bits: int, k: int, group_size) -> None:
-    """group_size: None (per channel) or a positive multiple of 16 (int8) / 32 (int4) dividing K.
+def check_group_size(op: str, k: int, group_size) -> None:
+    """group_size: None (per channel) or a positive multiple of 16 dividing K.
 
     The multiple keeps each group's slice of K a whole number of tensor-core dot steps.
     """
     if group_size is None:
         return
-    multiple = 16 if bits == 8 else 32
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
         raise TypeError(f"{op}: `group_size` must be a positive int or None, got {group_size!r}.")
-    if group_size % multiple:
-        raise ValueError(f"{op}: `group_size`={group_size} must be a multiple of {multiple} for "
-                         f"{bits}-bit weights (e.g. 32, 64 or 128).")
+    if group_size % 16:
+        raise ValueError(f"{op}: `group_size`={group_size} must be a multiple of 16 (e.g. 32, "
+                         "64 or 128).")
     if k % group_size:
         raise ValueError(f"{op}: K={k} is not divisible by `group_size`={group_size}; pick a "
                          "group size that divides K, or group_size=None (per channel).")
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
-    """int values in [-8, 7] of shape [K, N] (K even) -> uint8 [K/2, N], even k low nibble."""
-    biased = (q.astype(jnp.int32) + 8).astype(jnp.uint8)
-    return biased[0::2] | (biased[1::2] << 4)
+    """int values in [-8, 7] of shape [K, N] (K even) -> uint8 [N, K/2], even k low nibble."""
+    biased = (q.astype(jnp.int32) + 8).astype(jnp.uint8).T
+    return biased[:, 0::2] | (biased[:, 1::2] << 4)
 
 
 def unpack_int4(packed: jax.Array) -> jax.Array:
-    """uint8 [K/2, N] -> int8 [K, N] in [-8, 7], the inverse of `pack_int4`."""
+    """uint8 [N, K/2] -> int8 [K, N] in [-8, 7], the inverse of `pack_int4`."""
     low = (packed & 15).astype(jnp.int8) - 8
     high = (packed >> 4).astype(jnp.int8) - 8
-    return jnp.stack([low, high], axis=1).reshape(2 * packed.shape[0], packed.shape[1])
+    n, half = packed.shape
+    return jnp.stack([low, high], axis=-1).reshape(n, 2 * half).T
 
 
 def integer_values(qweight: jax.Array, bits: int) -> jax.Array:
-    """The int8 [K, N] values q of a quantised weight (int4 unpacked)."""
-    return qweight if bits == 8 else unpack_int4(qweight)
+    """The int8 [K, N] values q of a quantised weight (int8 transposed, int4 unpacked)."""
+    return qweight.T if bits == 8 else unpack_int4(qweight)
 
 
 def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, *,
@@ -68,13 +70,14 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
       w: [K, N] floating weight (N output channels); K even for bits=4.
       bits: 8 (int8 values) or 4 (int4, packed two per byte along K).
       group_size: None for one scale per output channel, or the number of consecutive K rows
-        sharing a scale (a multiple of 16 for int8, 32 for int4, dividing K).
+        sharing a scale (a multiple of 16 dividing K).
       scale_dtype: dtype of the scales; default w's dtype (bfloat16/float16 scales halve the
         scale bytes the kernel reads; float32 for the most accurate).
 
     Returns:
-      (qweight, scales): qweight int8 [K, N] (bits=8) or uint8 [K/2, N] (bits=4); scales
-      [N] (per channel) or [K / group_size, N].
+      (qweight, scales): qweight int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4), output
+      channels major (see the module docstring); scales [N] (per channel) or
+      [K / group_size, N].
     """
     op = "quantize_weight"
     check_bits(op, bits)
@@ -85,7 +88,7 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
     if bits == 4 and k % 2:
         raise ValueError(f"{op}: int4 packs two K rows per byte, so K must be even; got K={k}. "
                          "Pad w with a zero row.")
-    check_group_size(op, bits, k, group_size)
+    check_group_size(op, k, group_size)
     group = k if group_size is None else group_size
     grouped = w.astype(jnp.float32).reshape(k // group, group, n)
     qmax = _QMAX[bits]
@@ -94,7 +97,7 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
     q = jnp.clip(jnp.round(grouped / scale.astype(jnp.float32)[:, None, :]), -qmax, qmax)
     q = q.reshape(k, n).astype(jnp.int8)
     scales = scale[0] if group_size is None else scale
-    return (q if bits == 8 else pack_int4(q)), scales
+    return (q.T if bits == 8 else pack_int4(q)), scales
 
 
 def dequantize_weight(qweight: jax.Array, scales: jax.Array, *, bits: int,
