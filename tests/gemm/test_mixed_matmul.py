@@ -19,7 +19,7 @@ from tests.helpers import (IMPLEMENTATIONS, assert_close, golden, low_precision,
 # Small tiles so that test shapes span several programs, ragged edges and a K tail.
 SMALL = MatmulConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2)
 # (bits, group_size): per channel and per group, for both widths.
-MODES = [(8, None), (8, 32), (4, None), (4, 16)]
+MODES = [(8, None), (8, 32), (4, None), (4, 32)]
 
 
 def _inputs(rng, m, n, k, bits, group_size, dtype=jnp.bfloat16):
@@ -161,7 +161,6 @@ def _spec(shape, dtype):
     (4, 128, 1, 8192, 8192, None),
     (8, 64, 1000, 1030, 512, None),           # prefill-sized M, ragged N
     (4, None, 33, 100, 130, MatmulConfig(16, 32, 64, 1, 4, 2, split_k=2)),  # ragged K tail
-    (4, 16, 16, 256, 512, MatmulConfig(16, 64, 64, 1, 4, 2)),  # 16-row groups: 8-byte loads
 ])
 def test_kernel_lowers(bits, group_size, m, n, k, config):
     config = config or heuristic_mixed_config(m, n, k, bits)
@@ -199,8 +198,8 @@ S = jnp.ones((8,), jnp.bfloat16)
      "int4 weights pack two K rows per byte, so K must be even; `a` \\(4, 63\\) has K=63"),
     ((A, Q8, jnp.ones((2, 8), jnp.bfloat16)), dict(bits=8, group_size=40), ValueError,
      "`group_size`=40 must be a multiple of 16"),
-    ((A, Q4, jnp.ones((2, 8), jnp.bfloat16)), dict(bits=4, group_size=24), ValueError,
-     "`group_size`=24 must be a multiple of 16"),
+    ((A, Q4, jnp.ones((2, 8), jnp.bfloat16)), dict(bits=4, group_size=16), ValueError,
+     "`group_size`=16 must be a multiple of 32 for 4-bit weights"),
     ((jnp.ones((4, 96), jnp.bfloat16), jnp.ones((8, 96), jnp.int8), S),
      dict(bits=8, group_size=64), ValueError, "K=96 is not divisible by `group_size`=64"),
     ((A, Q8, jnp.ones((3, 8), jnp.bfloat16)), dict(bits=8, group_size=32), ValueError,
@@ -210,6 +209,8 @@ S = jnp.ones((8,), jnp.bfloat16)
      "per-channel `scales` \\(group_size=None\\) must be \\[8\\]"),
     ((A, Q8, jnp.ones((8,), jnp.int32)), dict(bits=8), TypeError,
      "`scales` must be floating point, got int32"),
+    ((A, Q4, S), dict(bits=4, config=MatmulConfig(block_k=16)), ValueError,
+     "int4 needs config.block_k >= 32"),
 ])
 def test_bad_input_raises(args, kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -124,7 +124,13 @@ def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
                               num_stages=4).fit_to(m, n, k)
         k_steps = -(-k // config.block_k)
         config = dataclasses.replace(config, split_k=max(1, min(4, k_steps // 4)))
-    return config
+    # Shorter K steps until the pipelined activation and weight tiles fit in shared memory
+    # (on the H100 Triton asked for num_stages copies plus 32 KiB: 425984 bytes at M=64 int8).
+    while (config.block_k > 32 and 32 * 1024 + config.num_stages * config.block_k
+           * (2 * config.block_m + config.block_n * bits // 8) > SHARED_MEMORY_BYTES):
+        config = dataclasses.replace(config, block_k=config.block_k // 2)
+    # int4 reads 16-byte weight rows per K step at least (see quantize.check_group_size).
+    return dataclasses.replace(config, block_k=max(config.block_k, 32 if bits == 4 else 16))
 
 
 def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:

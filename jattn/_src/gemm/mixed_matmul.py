@@ -101,7 +101,7 @@ def _check_inputs(a, qweight, scales, bits, group_size) -> tuple[int, int]:
         raise ValueError(f"{_OP}: `qweight` must be [N, {width}]{packed}, output channels "
                          f"first, for `a` {a.shape} with K={k}; got shape {qweight.shape} "
                          "(jattn.quantize_weight builds it from a [K, N] weight).")
-    quantize.check_group_size(_OP, k, group_size)
+    quantize.check_group_size(_OP, bits, k, group_size)
     n = qweight.shape[0]
     if not jnp.issubdtype(scales.dtype, jnp.floating):
         raise TypeError(f"{_OP}: `scales` must be floating point, got {scales.dtype}.")
@@ -121,6 +121,9 @@ def _resolve_config(config, m: int, n: int, k: int, bits: int) -> MatmulConfig:
         return heuristic_mixed_config(m, n, k, bits)
     if not isinstance(config, MatmulConfig):
         raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
+    if bits == 4 and config.block_k < 32:
+        raise ValueError(f"{_OP}: int4 needs config.block_k >= 32 (16-byte weight rows per K "
+                         f"step), got block_k={config.block_k}.")
     return config
 
 
@@ -141,9 +144,10 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
       scales: any float dtype; [N] or [1, N] per output channel (group_size None), or
         [K / group_size, N] per group of K rows.
       bits: 8 or 4.
-      group_size: None, or the K rows sharing a scale: a multiple of 16 dividing K.
-      config: a MatmulConfig (used as given; split_k > 1 sums fp32 partials in XLA) or None
-        (heuristic).
+      group_size: None, or the K rows sharing a scale: a multiple of 16 (int8) or 32 (int4)
+        dividing K.
+      config: a MatmulConfig (used as given; int4 needs block_k >= 32; split_k > 1 sums fp32
+        partials in XLA) or None (heuristic).
       implementation: "pallas_triton", "xla" (dequantises in float32, then one dot) or
         "interpret", as in `jattn.matmul`.
 

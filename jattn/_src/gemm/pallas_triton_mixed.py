@@ -124,7 +124,7 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
 
     a: [M, K] bfloat16 or float16. qweight: int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4,
     K even). scales: [1, N] (per channel, group_size None) or [K / group_size, N], any float
-    dtype. group_size: a multiple of 16 dividing K, or None.
+    dtype. group_size: a multiple of 16 (bits=8) or 32 (bits=4) dividing K, or None.
     Returns [M, N] of out_dtype, or with config.split_k > 1 the fp32 partial sums
     [split_k, M, N], to be added by the caller.
     """

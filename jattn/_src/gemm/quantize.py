@@ -22,18 +22,20 @@ def check_bits(op: str, bits) -> None:
         raise ValueError(f"{op}: `bits` must be 8 or 4, got {bits!r}.")
 
 
-def check_group_size(op: str, k: int, group_size) -> None:
-    """group_size: None (per channel) or a positive multiple of 16 dividing K.
+def check_group_size(op: str, bits: int, k: int, group_size) -> None:
+    """group_size: None (per channel) or a positive multiple of 16 (int8) / 32 (int4) dividing K.
 
-    The multiple keeps each group's slice of K a whole number of tensor-core dot steps.
+    The multiple keeps each group's slice of K a whole number of tensor-core dot steps (int4:
+    at least 16 bytes of a weight row; 8-byte int4 chunks gave wrong results on the H100).
     """
     if group_size is None:
         return
+    multiple = 16 if bits == 8 else 32
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
         raise TypeError(f"{op}: `group_size` must be a positive int or None, got {group_size!r}.")
-    if group_size % 16:
-        raise ValueError(f"{op}: `group_size`={group_size} must be a multiple of 16 (e.g. 32, "
-                         "64 or 128).")
+    if group_size % multiple:
+        raise ValueError(f"{op}: `group_size`={group_size} must be a multiple of {multiple} for "
+                         f"{bits}-bit weights (e.g. 32, 64 or 128).")
     if k % group_size:
         raise ValueError(f"{op}: K={k} is not divisible by `group_size`={group_size}; pick a "
                          "group size that divides K, or group_size=None (per channel).")
@@ -70,7 +72,7 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
       w: [K, N] floating weight (N output channels); K even for bits=4.
       bits: 8 (int8 values) or 4 (int4, packed two per byte along K).
       group_size: None for one scale per output channel, or the number of consecutive K rows
-        sharing a scale (a multiple of 16 dividing K).
+        sharing a scale (a multiple of 16 for int8, 32 for int4, dividing K).
       scale_dtype: dtype of the scales; default w's dtype (bfloat16/float16 scales halve the
         scale bytes the kernel reads; float32 for the most accurate).
 
@@ -88,7 +90,7 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
     if bits == 4 and k % 2:
         raise ValueError(f"{op}: int4 packs two K rows per byte, so K must be even; got K={k}. "
                          "Pad w with a zero row.")
-    check_group_size(op, k, group_size)
+    check_group_size(op, bits, k, group_size)
     group = k if group_size is None else group_size
     grouped = w.astype(jnp.float32).reshape(k // group, group, n)
     qmax = _QMAX[bits]
