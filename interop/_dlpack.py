@@ -47,6 +47,8 @@ DTYPES = {
     torch.bfloat16: jnp.bfloat16,
     torch.float16: jnp.float16,
     torch.float32: jnp.float32,
+    torch.int8: jnp.int8,  # mixed_matmul's int8 weights
+    torch.uint8: jnp.uint8,  # its packed int4 weights
     torch.int32: jnp.int32,
     torch.int64: jnp.int64,
     torch.bool: jnp.bool_,

@@ -4,9 +4,10 @@ running `jax.vjp` of the same jattn function, so torch gradients equal JAX's bit
 
 Each op converts its tensors through `_dlpack` (zero-copy), calls a jitted JAX function (compiled
 once per shapes, dtypes and options by jit's cache) and hands the result back as a tensor.
-`run_op` / `run_flex` use the registered op under torch.compile and, in eager mode, an
-autograd.Function running the same implementation and gradient formula (the dispatcher's
-per-call cost avoided).
+`run_flex` (and `_gemm_ops.run_op` for the GEMMs) use the registered op under torch.compile
+and, in eager mode, an autograd.Function running the same implementation and gradient formula
+(the dispatcher's per-call cost avoided). This module holds the helpers every op uses and
+flex_attention; the GEMMs are in `_gemm_ops`, flex_decode in `_decode_ops`.
 """
 
 from __future__ import annotations
@@ -52,112 +53,6 @@ def _arrays(**tensors: Tensor | jax.Array | None) -> list[jax.Array | None]:
     """JAX views of the tensors; JAX arrays (kept from a forward) and None pass through."""
     return [t if t is None or isinstance(t, jax.Array) else to_jax(t, name)
             for name, t in tensors.items()]
-
-
-# ------------------------------------------------------------------------------------------------
-# matmul / bmm
-# ------------------------------------------------------------------------------------------------
-
-_GEMMS = {"matmul": jattn.matmul, "bmm": jattn.bmm}
-
-# Outside torch.compile each op runs as an autograd.Function with the same implementation and
-# gradient formula: the custom-op dispatcher costs ~75 us per call on top (measured, H100).
-_EAGER = {}
-
-
-def run_op(op: str, *args):
-    """jattn::<op>(*args): a custom-op node under torch.compile, else its eager twin."""
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops.jattn, op)(*args)
-    return _EAGER[op](*args)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "implementation"))
-def _gemm(a, b, bias, *, kind: str, implementation: str):
-    return _GEMMS[kind](a, b, bias=bias, implementation=implementation)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "implementation"))
-def _gemm_vjp(grad, a, b, bias, *, kind: str, implementation: str):
-    def gemm(a, b, bias):
-        return _GEMMS[kind](a, b, bias=bias, implementation=implementation)
-    return jax.vjp(gemm, a, b, bias)[1](grad)
-
-
-def _run_gemm(kind: str, a: Tensor, b: Tensor, bias: Optional[Tensor],
-              implementation: Optional[str]) -> Tensor:
-    device = ready_device(kind, a=a, b=b, bias=bias)
-    impl = implementation_for(kind, device, implementation)
-    return to_torch(_gemm(*_arrays(a=a, b=b, bias=bias), kind=kind, implementation=impl))
-
-
-def _run_gemm_backward(kind: str, grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
-                       implementation: Optional[str]) -> list[Tensor]:
-    device = ready_device(kind, grad=grad, a=a, b=b, bias=bias)
-    impl = implementation_for(kind, device, implementation)
-    grads = _gemm_vjp(*_arrays(grad=grad, a=a, b=b, bias=bias), kind=kind, implementation=impl)
-    return [to_torch(g) for g in grads if g is not None]
-
-
-def _matmul_fake(a, b, bias, implementation):
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
-
-
-def _bmm_fake(a, b, bias, implementation):
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    return a.new_empty((*batch, a.shape[-2], b.shape[-1]))
-
-
-def _gemm_backward_fake(grad, a, b, bias, implementation):
-    return [torch.empty_like(x) for x in (a, b, bias) if x is not None]
-
-
-def _gemm_setup_context(ctx, inputs, output):
-    a, b, bias, implementation = inputs
-    ctx.save_for_backward(a, b, bias)
-    ctx.implementation = implementation
-
-
-def _register_gemm(kind: str, fake):
-    """jattn::<kind> and jattn::<kind>_backward, with their fake and autograd registrations."""
-
-    @torch.library.custom_op(f"jattn::{kind}", mutates_args=())
-    def op(a: Tensor, b: Tensor, bias: Optional[Tensor], implementation: Optional[str]) -> Tensor:
-        return _run_gemm(kind, a, b, bias, implementation)
-
-    @torch.library.custom_op(f"jattn::{kind}_backward", mutates_args=())
-    def backward_op(grad: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor],
-                    implementation: Optional[str]) -> list[Tensor]:
-        return _run_gemm_backward(kind, grad, a, b, bias, implementation)
-
-    def backward(ctx, grad):
-        a, b, bias = ctx.saved_tensors
-        grads = backward_op(grad, a, b, bias, ctx.implementation)
-        return grads[0], grads[1], grads[2] if bias is not None else None, None
-
-    op.register_fake(fake)
-    backward_op.register_fake(_gemm_backward_fake)
-    op.register_autograd(backward, setup_context=_gemm_setup_context)
-
-    class Eager(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b, bias, implementation):
-            output = _run_gemm(kind, a, b, bias, implementation)
-            _gemm_setup_context(ctx, (a, b, bias, implementation), output)
-            return output
-
-        @staticmethod
-        def backward(ctx, grad):
-            a, b, bias = ctx.saved_tensors
-            grads = _run_gemm_backward(kind, grad, a, b, bias, ctx.implementation)
-            return grads[0], grads[1], grads[2] if bias is not None else None, None
-
-    _EAGER[kind] = Eager.apply
-    return op, backward_op
-
-
-matmul, matmul_backward = _register_gemm("matmul", _matmul_fake)
-bmm, bmm_backward = _register_gemm("bmm", _bmm_fake)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,7 +15,12 @@ import torch
 
 import jattn
 from jattn._src.decoding.paged import check_pool_sizes
-from interop import _decode_ops, _dlpack, _ops  # they register torch.ops.jattn.*
+from interop import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
+
+
+# ------------------------------------------------------------------------------------------------
+# GEMMs
+# ------------------------------------------------------------------------------------------------
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -25,14 +30,96 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
     a: [..., M, K], b: [K, N], bias: [N] or None; bfloat16, float16 or float32 (a and b alike),
     all on one device. Returns [..., M, N] of a's dtype. Differentiable in a, b and bias.
     """
-    return _ops.run_op("matmul", a, b, bias, implementation)
+    return _gemm_ops.run_op("matmul", a, b, bias, implementation)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         implementation: str | None = None) -> torch.Tensor:
     """Batched a @ b + bias, as `jattn.bmm`: a [..., M, K], b [..., K, N] with broadcasting
     batch dims, bias [N] or None. Returns [..., M, N] of a's dtype."""
-    return _ops.run_op("bmm", a, b, bias, implementation)
+    return _gemm_ops.run_op("bmm", a, b, bias, implementation)
+
+
+def mm_plus_mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor,
+               bias: torch.Tensor | None = None, *,
+               implementation: str | None = None) -> torch.Tensor:
+    """a @ b + c @ d + bias, both products in one float32 accumulator (one kernel), as
+    `jattn.mm_plus_mm`.
+
+    a: [..., M, K1], b: [K1, N], c: [..., M, K2] (a's leading dims; K2 may differ from K1),
+    d: [K2, N], bias: [N] or None; bfloat16, float16 or float32 (a, b, c, d alike), all on one
+    device. Returns [..., M, N] of a's dtype. Differentiable in a, b, c, d and bias.
+    """
+    return _gemm_ops.run_op("mm_plus_mm", a, b, c, d, bias, implementation)
+
+
+def b2b_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, side: str = "left",
+               implementation: str | None = None) -> torch.Tensor:
+    """Back-to-back GEMM (a @ b) @ c (side="left") or a @ (b @ c) (side="right"), as
+    `jattn.b2b_matmul` with fn=None: the intermediate is accumulated in float32, rounded to the
+    input dtype and multiplied on chip, chunk by chunk.
+
+    left: a [..., M, K], b [K, P], c [P, N]; right: a [..., M, P], b [P, K], c [K, N].
+    bfloat16, float16 or float32 (one dtype), one device. Returns [..., M, N] of the input
+    dtype. Differentiable in a, b and c. jattn's elementwise `fn` on the intermediate is not
+    supported from torch yet (a torch-written fn would need translating to JAX, as
+    flex_attention's mods are); compose `matmul` calls instead, e.g.
+    `matmul(fn(matmul(a, b)), c)`.
+    """
+    return _gemm_ops.run_op("b2b_matmul", a, b, c, side, implementation)
+
+
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                  scale_b: torch.Tensor, *, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
+                  implementation: str | None = None) -> torch.Tensor:
+    """(a @ b) * scale_a * scale_b + bias on fp8 tensors, as torch._scaled_mm and
+    `jattn.scaled_matmul` (float32 accumulation; scales, then bias, then the cast, in-kernel).
+
+    a: [M, K], b: [K, N] (any strides; a non-contiguous one is copied once), one fp8 dtype:
+    torch.float8_e4m3fn or torch.float8_e5m2. scale_a: float32, a scalar (tensor-wise) or [M] /
+    [M, 1] (row-wise); scale_b: float32, a scalar or [N] / [1, N]. bias: [N] of any float dtype,
+    added after scaling. out_dtype: torch.bfloat16, torch.float16 or torch.float32.
+    use_fast_accum: as torch._scaled_mm's (see `jattn.scaled_matmul`). All on one device.
+    Returns [M, N] of out_dtype. Forward (inference) only: inputs may require grad, but
+    backward through the result raises NotImplementedError (in compiled code too).
+    """
+    return _gemm_ops.run_op("scaled_matmul", a, b, scale_a, scale_b, bias, out_dtype,
+                            use_fast_accum, implementation)
+
+
+def quantize_weight(w: torch.Tensor, bits: int = 8,
+                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`jattn.quantize_weight` on a torch [K, N] weight (N output channels; for an
+    nn.Linear, `linear.weight.T`): symmetric int8 or int4 with one scale per output channel
+    (group_size None) or per group of group_size K rows.
+
+    Returns (qweight, scales) on w's device, in jattn's quantised layout (see
+    `jattn.quantize_weight`; its shapes are jattn's business): pass both to `mixed_matmul`
+    unchanged. The scales have w's dtype and may be made learnable (`requires_grad_()`).
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"quantize_weight: `w` must be a torch.Tensor, got {type(w).__name__}.")
+    return _gemm_ops.quantize_weight(w, bits, group_size)
+
+
+def mixed_matmul(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *, bits: int,
+                 group_size: int | None = None,
+                 implementation: str | None = None) -> torch.Tensor:
+    """a @ W for a weight W ≈ q · scales stored as int8 or int4 (qweight, scales from
+    `quantize_weight` with the same bits and group_size), dequantised inside the kernel, as
+    `jattn.mixed_matmul`.
+
+    a: [..., M, K] bfloat16 or float16; all on one device. Returns [..., M, N] of a's dtype.
+    Differentiable in a and scales; the integer qweight is frozen.
+    """
+    return _gemm_ops.run_op("mixed_matmul", a, qweight, scales, bits, group_size,
+                            implementation)
+
+
+# ------------------------------------------------------------------------------------------------
+# Flex attention
+# ------------------------------------------------------------------------------------------------
 
 
 def _mask_tensors(block_mask, L: int, S: int) -> tuple[list[torch.Tensor], list[int]]:

@@ -70,8 +70,8 @@ def _scaled_matmul_bwd(options: Options, use_fast_accum: bool, res, d_out):
     raise NotImplementedError(
         f"{_OP} is a forward (inference) op and has no gradient. To train through an fp8 "
         "product, differentiate jattn.matmul on the dequantised operands instead, e.g. "
-        "jattn.matmul(a.astype(jnp.bfloat16) * scale_a[:, None], "
-        "b.astype(jnp.bfloat16) * scale_b[None, :]).")
+        "jattn.matmul(a.astype(jnp.bfloat16) * scale_a.reshape(-1, 1), "
+        "b.astype(jnp.bfloat16) * scale_b.reshape(1, -1)).")
 
 
 _scaled_matmul.defvjp(_scaled_matmul_fwd, _scaled_matmul_bwd)

@@ -1,0 +1,246 @@
+"""jattn's GEMMs as torch custom ops: jattn::matmul, bmm, mm_plus_mm, b2b_matmul, scaled_matmul
+and mixed_matmul, each with a jattn::<name>_backward op running `jax.vjp` of the same jattn
+function (so torch gradients equal JAX's bit for bit), a fake for torch.compile and, for eager
+mode, an autograd.Function twin (`run_op`).
+
+Every op is described once (`GemmOp`: the jattn function, its tensor arguments, its static
+options, the tensors it is differentiable in, its output's fake) and registered by one function.
+An op's arguments are its tensors, then its options, then `implementation`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any, Optional
+
+import jax
+import torch
+from torch import Tensor
+
+import jattn
+from interop._dlpack import DTYPES, to_torch
+from interop._ops import _arrays, implementation_for, ready_device
+
+# Outside torch.compile each op runs as an autograd.Function with the same implementation and
+# gradient formula: the custom-op dispatcher costs ~75 us per call on top (measured, H100).
+_EAGER: dict[str, Callable[..., Tensor]] = {}
+
+
+def run_op(op: str, *args):
+    """jattn::<op>(*args): a custom-op node under torch.compile, else its eager twin."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.jattn, op)(*args)
+    return _EAGER[op](*args)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOp:
+    """One jattn GEMM function as jattn::<name> (tensors, options, implementation) -> Tensor.
+
+    tensors, options: schema entries ("Tensor a", "Tensor? bias"; "str side"), passed to `fn` by
+    keyword under their names, with `implementation`; a torch.dtype option reaches `fn` as the
+    JAX dtype. grads: the tensors autograd gets gradients for (from `jax.vjp` of `fn`).
+    no_gradient: for a forward-only op, the error its backward raises (when backward runs, also
+    in compiled code: the backward op's fake lets torch.compile trace a forward whose inputs
+    require grad).
+    """
+
+    name: str
+    fn: Callable[..., jax.Array]
+    tensors: tuple[str, ...]
+    fake: Callable[..., Tensor]
+    options: tuple[str, ...] = ()
+    grads: tuple[str, ...] = ()
+    no_gradient: Optional[str] = None
+
+    def __post_init__(self):
+        if self.grads != tuple(name for name in self.tensor_names if name in self.grads):
+            raise ValueError(f"GemmOp {self.name}: grads {self.grads} must be tensor names, in "
+                             f"the order of {self.tensor_names} (backward's list follows it).")
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(entry.split()[-1] for entry in self.tensors)
+
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        return tuple(entry.split()[-1] for entry in self.options)
+
+    def schema(self, first: tuple[str, ...] = (), returns: str = "Tensor") -> str:
+        arguments = ", ".join((*first, *self.tensors, *self.options, "str? implementation"))
+        return f"({arguments}) -> {returns}"
+
+
+def _jax_option(op: str, name: str, value: Any) -> Any:
+    """A torch.dtype option as the JAX dtype (jattn then checks it); other values unchanged."""
+    if not isinstance(value, torch.dtype):
+        return value
+    if value not in DTYPES:
+        raise TypeError(f"{op}: `{name}`={value} is not supported (no JAX dtype for it here); "
+                        f"pass one of the dtypes interop.torch.{op} documents.")
+    return DTYPES[value]
+
+
+def register(spec: GemmOp):
+    """Registers jattn::<name> and jattn::<name>_backward (fakes, autograd) and the eager twin
+    that `run_op` calls; returns the two ops."""
+    names, n, option_names = spec.tensor_names, len(spec.tensors), spec.option_names
+    grad_set = set(spec.grads)
+    dtype_options = any(entry.startswith("ScalarType") for entry in spec.options)
+
+    def keywords(arrays, options, implementation) -> dict:  # at trace time only
+        return {**dict(zip(names, arrays)), **dict(zip(option_names, options)),
+                "implementation": implementation}
+
+    @functools.partial(jax.jit, static_argnames=("options", "implementation"))
+    def forward_jit(*arrays, options, implementation):
+        return spec.fn(**keywords(arrays, options, implementation))
+
+    @functools.partial(jax.jit, static_argnames=("options", "implementation"))
+    def vjp_jit(grad, *arrays, options, implementation):
+        fixed = keywords(arrays, options, implementation)
+
+        def differentiable(*xs):
+            return spec.fn(**{**fixed, **dict(zip(spec.grads, xs))})
+        return jax.vjp(differentiable, *(fixed[name] for name in spec.grads))[1](grad)
+
+    def static(args, device) -> dict:
+        """jit's static arguments (JAX's stream on `device` now ordered after torch's)."""
+        options = args[n:-1]
+        if dtype_options:
+            options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
+        return dict(options=options,
+                    implementation=implementation_for(spec.name, device, args[-1]))
+
+    def run_forward(*args) -> Tensor:
+        tensors = dict(zip(names, args[:n]))
+        device = ready_device(spec.name, **tensors)
+        return to_torch(forward_jit(*_arrays(**tensors), **static(args, device)))
+
+    def run_backward(grad, *args) -> list[Tensor]:
+        """[a gradient for each tensor of spec.grads that is not None]"""
+        if spec.no_gradient is not None:
+            raise NotImplementedError(spec.no_gradient)
+        tensors = dict(zip(names, args[:n]))
+        device = ready_device(spec.name, grad=grad, **tensors)
+        grads = vjp_jit(*_arrays(grad=grad, **tensors), **static(args, device))
+        return [to_torch(g) for g in grads if g is not None]
+
+    def backward_fake(grad, *args):
+        return [torch.empty_like(t) for name, t in zip(names, args[:n])
+                if name in grad_set and t is not None]
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:n])
+        ctx.options = inputs[n:]
+
+    def input_grads(tensors, grads) -> tuple:
+        """run_backward's list spread over the op's arguments (None where no gradient)."""
+        grads = iter(grads)
+        return (*(next(grads) if name in grad_set and t is not None else None
+                  for name, t in zip(names, tensors)), *[None] * (len(spec.options) + 1))
+
+    op = torch.library.custom_op(f"jattn::{spec.name}", run_forward, mutates_args=(),
+                                 schema=spec.schema())
+    backward_op = torch.library.custom_op(f"jattn::{spec.name}_backward", run_backward,
+                                          mutates_args=(),
+                                          schema=spec.schema(("Tensor grad",), "Tensor[]"))
+
+    def backward(ctx, grad):
+        tensors = ctx.saved_tensors
+        return input_grads(tensors, backward_op(grad, *tensors, *ctx.options))
+
+    op.register_fake(spec.fake)
+    backward_op.register_fake(backward_fake)
+    op.register_autograd(backward, setup_context=setup_context)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *args):
+            output = run_forward(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad):
+            tensors = ctx.saved_tensors
+            return input_grads(tensors, run_backward(grad, *tensors, *ctx.options))
+
+    _EAGER[spec.name] = Eager.apply
+    return op, backward_op
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops
+# ------------------------------------------------------------------------------------------------
+
+
+def _matmul_fake(a, b, *rest):  # matmul and mm_plus_mm: a [..., M, K] times b [K, N]
+    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+
+
+def _bmm_fake(a, b, *rest):
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return a.new_empty((*batch, a.shape[-2], b.shape[-1]))
+
+
+def _b2b_fake(a, b, c, *rest):
+    return a.new_empty((*a.shape[:-1], c.shape[-1]))
+
+
+def _scaled_matmul_fake(a, b, scale_a, scale_b, bias, out_dtype, *rest):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _mixed_matmul_fake(a, qweight, scales, bits, group_size, implementation):
+    """N asked of jattn (its output for one row of a): qweight's layout is jattn's business.
+    The xla implementation traces without choosing kernel configs; the shape is the same."""
+    def struct(t, shape=None):  # int(): a symbolic size is specialised (the weight's, and K)
+        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape or t.shape), DTYPES[t.dtype])
+
+    out = jax.eval_shape(functools.partial(jattn.mixed_matmul, bits=bits,
+                                           group_size=group_size, implementation="xla"),
+                         struct(a, (1, a.shape[-1])), struct(qweight), struct(scales))
+    return a.new_empty((*a.shape[:-1], out.shape[-1]))
+
+
+_BIAS = ("Tensor? bias",)
+_SCALED_MATMUL_NO_GRADIENT = (
+    "scaled_matmul is a forward (inference) op and has no gradient (as jattn.scaled_matmul). "
+    "To train through an fp8 product, differentiate interop.torch.matmul on the dequantised "
+    "operands instead, e.g. jt.matmul(a.to(torch.bfloat16) * scale_a.reshape(-1, 1), "
+    "b.to(torch.bfloat16) * scale_b.reshape(1, -1)).")
+
+matmul, matmul_backward = register(GemmOp(
+    "matmul", jattn.matmul, ("Tensor a", "Tensor b", *_BIAS), _matmul_fake,
+    grads=("a", "b", "bias")))
+bmm, bmm_backward = register(GemmOp(
+    "bmm", jattn.bmm, ("Tensor a", "Tensor b", *_BIAS), _bmm_fake, grads=("a", "b", "bias")))
+mm_plus_mm, mm_plus_mm_backward = register(GemmOp(
+    "mm_plus_mm", jattn.mm_plus_mm, ("Tensor a", "Tensor b", "Tensor c", "Tensor d", *_BIAS),
+    _matmul_fake, grads=("a", "b", "c", "d", "bias")))
+b2b_matmul, b2b_matmul_backward = register(GemmOp(
+    "b2b_matmul", jattn.b2b_matmul, ("Tensor a", "Tensor b", "Tensor c"), _b2b_fake,
+    options=("str side",), grads=("a", "b", "c")))
+scaled_matmul, scaled_matmul_backward = register(GemmOp(
+    "scaled_matmul", jattn.scaled_matmul,
+    ("Tensor a", "Tensor b", "Tensor scale_a", "Tensor scale_b", *_BIAS), _scaled_matmul_fake,
+    options=("ScalarType out_dtype", "bool use_fast_accum"),
+    grads=("a", "b", "scale_a", "scale_b", "bias"), no_gradient=_SCALED_MATMUL_NO_GRADIENT))
+mixed_matmul, mixed_matmul_backward = register(GemmOp(
+    "mixed_matmul", jattn.mixed_matmul, ("Tensor a", "Tensor qweight", "Tensor scales"),
+    _mixed_matmul_fake, options=("int bits", "int? group_size"), grads=("a", "scales")))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def _quantize(w, *, bits, group_size):
+    return jattn.quantize_weight(w, bits, group_size)
+
+
+def quantize_weight(w: Tensor, bits: int, group_size: Optional[int]) -> tuple[Tensor, Tensor]:
+    """jattn.quantize_weight on a torch weight: (qweight, scales) on w's device."""
+    ready_device("quantize_weight", w=w)  # on CUDA: after torch's queued writes to w
+    qweight, scales = _quantize(*_arrays(w=w), bits=bits, group_size=group_size)
+    return to_torch(qweight), to_torch(scales)
