@@ -27,8 +27,6 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.tiling import COMPILERS
 
 _PARAM = re.compile(r"\.param\s")
-
-
 _DOT = re.compile(r"(= tt\.dot [^:\n]*?)( : tensor<)")
 
 
@@ -112,7 +110,8 @@ def _compile(ttir: str, num_warps: int, num_stages: int, capability: int,
     # Triton reads IR from a file and writes its path into the IR's locations, and its on-disk
     # cache keys on the IR text: a path named by the kernel's content lets a later process
     # reuse the compiled kernel (a cold compile costs seconds).
-    key = hashlib.sha256(f"{ttir}|{num_warps}|{num_stages}|{capability}".encode()).hexdigest()
+    key = hashlib.sha256(f"{ttir}|{num_warps}|{num_stages}|{capability}|"
+                         f"{max_num_imprecise_acc}".encode()).hexdigest()
     folder = os.path.join(tempfile.gettempdir(), "jattn-triton-ir")
     os.makedirs(folder, exist_ok=True)
     source, optimized = (os.path.join(folder, f"{key[:32]}{suffix}.ttir")
