@@ -205,7 +205,8 @@ def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
 def _report(r: dict) -> str:
     if "weight_gbps" in r:
         rates = "  ".join(f"{key} {value:6.0f}" for key, value in r["weight_gbps"].items())
-        return (f"{r['case']:>38}: weight GB/s {rates}   best bf16 time / jattn time "
+        return (f"{r['case']:>38}: weight GB/s {rates}   jattn {r['tflops']['jattn']:.1f} "
+                f"TFLOP/s   best bf16 time / jattn time "
                 f"{r['vs_bf16']:.2f}   xla dequant time / jattn time {r['vs_xla_dequant']:.2f}"
                 f"   max |diff| {r['max_abs_diff_vs_xla_dequant']:.3g}   "
                 f"first call {r['first_call_s']:.2f}s")
