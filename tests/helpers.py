@@ -97,6 +97,19 @@ def random_cotangent_vjp(fn: Callable[..., Any], args: Sequence[Any], cotangent:
     return vjp(cotangent)
 
 
+def assert_gradients_close(ours: Callable[..., Any], reference: Callable[..., Any],
+                           args: Sequence[Any], cotangent: Any, names: Sequence[str]) -> None:
+    """Gradients of ours at args from a random cotangent against the reference's (float64
+    golden, low-precision tolerance); each has its argument's dtype and shape."""
+    pulled_back = lambda *x: random_cotangent_vjp(reference, x[:-1], x[-1])
+    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
+    gold = golden(pulled_back, *args, cotangent)
+    low = low_precision(pulled_back, *args, cotangent)
+    for name, arg, g, g64, g_low in zip(names, args, grads, gold, low):
+        assert g.dtype == jnp.asarray(arg).dtype and g.shape == jnp.shape(arg)
+        assert_close(g, g64, g_low, what=f"d{name}")
+
+
 def assert_bitwise_equal_runs(fn: Callable[[], Any]) -> None:
     """Two runs of fn give bitwise identical results."""
     first, second = fn(), fn()

@@ -12,8 +12,9 @@ from jattn._src.gemm import pallas_triton_b2b
 from jattn._src.gemm.config import heuristic_b2b_config
 from jattn._src.gemm.reference import b2b_reference
 from jattn._src.user_functions import trace_with_captures
-from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close, golden,
-                           low_precision, lower_for_cuda, random, random_cotangent_vjp)
+from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close,
+                           assert_gradients_close, golden, low_precision, lower_for_cuda, random,
+                           random_cotangent_vjp)
 
 # Small tiles: several programs, several intermediate chunks, ragged edges everywhere.
 SMALL = jattn.B2BConfig(block_out=16, block_inner=32, block_k=32, num_warps=4, num_stages=2)
@@ -65,13 +66,7 @@ def _check_gradients(impl, side, dtype, m, k, p, n, config):
     args = (a, b, c, scale)
     out = jax.jit(ours)(*args)
     assert_close(out, golden(reference, *args), low_precision(reference, *args))
-    pulled_back = lambda *x: random_cotangent_vjp(reference, x[:4], x[4])
-    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
-    gold = golden(pulled_back, *args, cotangent)
-    low = low_precision(pulled_back, *args, cotangent)
-    for name, arg, g, g64, g_low in zip("a b c scale".split(), args, grads, gold, low):
-        assert g.dtype == jnp.asarray(arg).dtype and g.shape == jnp.shape(arg)
-        assert_close(g, g64, g_low, what=f"d{name}")
+    assert_gradients_close(ours, reference, args, cotangent, "a b c scale".split())
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

@@ -12,8 +12,9 @@ from jattn._src.gemm import pallas_triton
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.gemm.reference import mm_plus_mm_reference
 from jattn._src.user_functions import trace_with_captures
-from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close, golden,
-                           low_precision, lower_for_cuda, random, random_cotangent_vjp)
+from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close,
+                           assert_gradients_close, golden, low_precision, lower_for_cuda, random,
+                           random_cotangent_vjp)
 
 # Small tiles so that test shapes span several programs, ragged edges and K tails on both halves.
 SMALL = jattn.MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4,
@@ -75,13 +76,7 @@ def test_gradients_with_bias_and_captured_scale(impl, dtype):
                                     epilogue=lambda x: jnp.tanh(x) * scale)
 
     args = (*operands, bias, scale)
-    pulled_back = lambda *x: random_cotangent_vjp(reference, x[:6], x[6])
-    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
-    gold = golden(pulled_back, *args, cotangent)
-    low = low_precision(pulled_back, *args, cotangent)
-    for name, arg, g, g64, g_low in zip("a b c d bias scale".split(), args, grads, gold, low):
-        assert g.dtype == jnp.asarray(arg).dtype and g.shape == jnp.shape(arg)
-        assert_close(g, g64, g_low, what=f"d{name}")
+    assert_gradients_close(ours, reference, args, cotangent, "a b c d bias scale".split())
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
