@@ -194,16 +194,9 @@ def _scaled_matmul_fake(a, b, scale_a, scale_b, bias, out_dtype, *rest):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
-def _mixed_matmul_fake(a, qweight, scales, bits, group_size, implementation):
-    """N asked of jattn (its output for one row of a): qweight's layout is jattn's business.
-    The xla implementation traces without choosing kernel configs; the shape is the same."""
-    def struct(t, shape=None):  # int(): a symbolic size is specialised (the weight's, and K)
-        return jax.ShapeDtypeStruct(tuple(int(d) for d in shape or t.shape), DTYPES[t.dtype])
-
-    out = jax.eval_shape(functools.partial(jattn.mixed_matmul, bits=bits,
-                                           group_size=group_size, implementation="xla"),
-                         struct(a, (1, a.shape[-1])), struct(qweight), struct(scales))
-    return a.new_empty((*a.shape[:-1], out.shape[-1]))
+def _mixed_matmul_fake(a, qweight, scales, *rest):
+    """qweight is [N, K] or [N, K/2], output channels first (jattn.quantize_weight)."""
+    return a.new_empty((*a.shape[:-1], qweight.shape[0]))
 
 
 _BIAS = ("Tensor? bias",)

@@ -65,13 +65,13 @@ def _mixed_matmul_bwd(options: _Options, res: _Residuals, d_out):
     a, dtype = res.a, res.a.dtype
     bits, group_size = options.bits, options.group_size
     d_out = d_out.astype(dtype)
-    w = quantize.dequantize_weight(res.qweight, res.scales, bits=bits, group_size=group_size,
-                                   dtype=dtype)
+    q = quantize.integer_values(res.qweight, bits)  # [K, N], unpacked once for both
+    w = quantize.scale_values(q, res.scales, group_size=group_size, dtype=dtype)
     d_a = product_for_shape(options.implementation, d_out, w, dtype, transpose_b=True)
     a_t_d_out = product_for_shape(options.implementation, a, d_out, jnp.float32,
                                   transpose_a=True)
-    q = quantize.integer_values(res.qweight, bits).astype(jnp.float32)
-    d_scales = (q * a_t_d_out).reshape(res.scales.shape[0], -1, q.shape[1]).sum(axis=1)
+    d_scales = (q.astype(jnp.float32) * a_t_d_out).reshape(
+        res.scales.shape[0], -1, q.shape[1]).sum(axis=1)
     return d_a, None, d_scales.astype(res.scales.dtype)
 
 

@@ -109,7 +109,13 @@ def dequantize_weight(qweight: jax.Array, scales: jax.Array, *, bits: int,
     For debugging and for the XLA path; `jattn.mixed_matmul` never materialises it on the GPU.
     Scales are [N] or [1, N] (per channel) or [K / group_size, N].
     """
-    q = integer_values(qweight, bits)
+    return scale_values(integer_values(qweight, bits), scales, group_size=group_size,
+                        dtype=dtype)
+
+
+def scale_values(q: jax.Array, scales: jax.Array, *, group_size: int | None,
+                 dtype=jnp.float32) -> jax.Array:
+    """q · scale in `dtype` for the int8 [K, N] values of `integer_values`."""
     k, n = q.shape
     groups = 1 if group_size is None else k // group_size
     compute = jnp.promote_types(dtype, jnp.float32)  # exact for 16-bit scales; f64 in goldens
