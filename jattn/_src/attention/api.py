@@ -79,7 +79,9 @@ def _full_block_mask(L: int, S: int) -> BlockMask:
     n_q, n_kv = cdiv(L, block[0]), cdiv(S, block[1])
 
     def lists(rows: int, columns: int):  # (no partial blocks, every column full) per row
-        indices = np.broadcast_to(np.arange(columns, dtype=np.int32), (1, 1, rows, columns))
+        # Tiled, not np.broadcast_to: JAX turns a zero-stride constant into a broadcast that
+        # XLA runs as a kernel of its own on every call.
+        indices = np.tile(np.arange(columns, dtype=np.int32), (1, 1, rows, 1))
         return (np.zeros((1, 1, rows), np.int32), indices, np.full((1, 1, rows), columns,
                                                                     np.int32), indices)
 

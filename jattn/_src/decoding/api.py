@@ -65,7 +65,8 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
     (None when every value was checked here): a length outside [0, S], or, with a cache, a page
     below the length that is unassigned or outside the pool. Known bad values raise."""
     if kv_len is None:
-        kv_len, bad = jnp.full((B,), S, jnp.int32), jnp.zeros((B,), bool)
+        # numpy: under jit a constant, not a broadcast XLA runs as a kernel of its own per call
+        kv_len, bad = np.full((B,), S, np.int32), np.zeros((B,), bool)
         if cache is None:
             return kv_len, None
     else:
@@ -187,14 +188,14 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     scale = float(E ** -0.5 if scale is None else scale)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
-    kv_len = jnp.clip(kv_len, 0, S)
+    kv_len = (np if static_length else jnp).clip(kv_len, 0, S)
     q_start = kv_len - Lq
 
     if implementation == "xla" or Lq > MAX_DECODE_QUERIES:
         k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
-        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, q_start, kv_len,
-                               scale=scale, implementation=implementation)
+        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, jnp.asarray(q_start),
+                               jnp.asarray(kv_len), scale=scale, implementation=implementation)
     else:
         score_set, mask_set = CaptureSet(), CaptureSet()
         mask_mod = None if block_mask is None else block_mask.mask_mod

@@ -37,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -243,5 +244,5 @@ def attention_forward(p: DecodeProblem, q, k, v, masks, score_caps, mask_caps):
     """flex_attention's forward on this kernel (few queries): queries at positions 0..L-1, every
     key of k/v; masks: the BlockMask fields (kv-major lists used). (out, lse) as forward."""
     lists = kv_lists(masks) if p.has_mask else []
-    return forward(p, q, k, v, jnp.zeros((p.B,), jnp.int32), jnp.full((p.B,), p.S, jnp.int32),
+    return forward(p, q, k, v, np.zeros((p.B,), np.int32), np.full((p.B,), p.S, np.int32),
                    None, lists, score_caps, mask_caps)
