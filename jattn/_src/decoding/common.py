@@ -146,12 +146,14 @@ def kv_lists(masks: dict[str, jax.Array]) -> list[jax.Array]:
     return [jnp.asarray(masks[name], jnp.int32) for name in names]
 
 
-def _sum_in_order(x: jax.Array) -> jax.Array:
-    """x.sum(axis=0) as a fixed chain of adds: a reduction's order may differ between two XLA
-    programs on the GPU, which would break paged == contiguous bit for bit."""
+def _chain(op, x: jax.Array) -> jax.Array:
+    """op folded over axis 0 as a fixed chain of element-wise ops. For sums: a reduction's
+    order may differ between two XLA programs on the GPU, which would break paged ==
+    contiguous bit for bit. For both: with no reduction in it, the whole merge is element-wise
+    and XLA fuses it into one kernel."""
     total = x[0]
     for i in range(1, x.shape[0]):
-        total = total + x[i]
+        total = op(total, x[i])
     return total
 
 
@@ -163,10 +165,10 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Arra
     rows no split saw give 0 and -inf. A split that saw nothing has m = MASK_VALUE (finite) and
     l = 0, so its weight is 0 next to any real maximum and no inf - inf arises.
     """
-    m_max = m.max(axis=0)
+    m_max = _chain(jnp.maximum, m)
     weight = jnp.exp2(m - m_max)
-    l_sum = _sum_in_order(weight * l)
-    acc_sum = _sum_in_order(weight[..., None] * acc)
+    l_sum = _chain(jnp.add, weight * l)
+    acc_sum = _chain(jnp.add, weight[..., None] * acc)
     l_safe = jnp.where(l_sum == 0, 1.0, l_sum)
     out = acc_sum / l_safe[..., None]
     lse = jnp.where(l_sum == 0, -jnp.inf, (m_max + jnp.log2(l_safe)) / LOG2_E)

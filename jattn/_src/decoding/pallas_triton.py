@@ -235,9 +235,10 @@ def forward(p: DecodeProblem, q, k, v, q_start, kv_len, page_table, lists, score
         interpret=p.implementation == "interpret",
         name="jattn_flex_decode",
     )(q_rows, k, v, *inputs)
-    out, lse = combine_splits(acc, m, l)
-    out = out[:, :p.rows, :p.Ev].reshape(p.B, p.Hq, p.Lq, p.Ev).astype(q.dtype)
-    return out, lse[:, :p.rows].reshape(p.B, p.Hq, p.Lq)
+    # Padding rows and columns are dropped before the merge, which then reads only real ones.
+    out, lse = combine_splits(acc[:, :, :p.rows, :p.Ev], m[:, :, :p.rows], l[:, :, :p.rows])
+    return (out.reshape(p.B, p.Hq, p.Lq, p.Ev).astype(q.dtype),
+            lse.reshape(p.B, p.Hq, p.Lq))
 
 
 def attention_forward(p: DecodeProblem, q, k, v, masks, score_caps, mask_caps):
