@@ -48,6 +48,39 @@ def _biased(u, dtype):
     return lax.bitcast_convert_type(u | jnp.int16(_MAGIC[jnp.dtype(dtype)][0]), dtype)
 
 
+def _nibble_planes(q, dtype, interpret: bool):
+    """uint8 tile of packed int4 (+8) -> (low, high) nibble planes as `dtype` tiles of
+    base + nibble (see _MAGIC), bit-exactly.
+
+    On the GPU, inline PTX per 4 bytes and plane: two byte permutes spread the bytes over 16-bit
+    lanes, and one AND-OR (lop3) per pair of values masks a nibble into the float's mantissa:
+    ~1.25 instructions per weight, where the element-wise jnp form costs ~4 (including an
+    integer narrowing that runs at quarter rate). (One asm per plane: Pallas lowers only one
+    result per inline asm.)
+    """
+    if interpret:
+        packed = q.astype(jnp.int16)
+        return _biased(packed & 15, dtype), _biased(packed >> 4, dtype)
+    magic = _MAGIC[jnp.dtype(dtype)][0] * 0x10001
+
+    def plane(shift: int):
+        # $2 holds bytes b0..b3; $0 gets the nibbles of (b0, b1), $1 those of (b2, b3).
+        asm = f"""{{
+        .reg .b32 t01, t23;
+        prmt.b32 t01, $2, 0, 0x4140;
+        prmt.b32 t23, $2, 0, 0x4342;
+        {f"shr.u32 t01, t01, {shift};" if shift else ""}
+        {f"shr.u32 t23, t23, {shift};" if shift else ""}
+        lop3.b32 $0, t01, 0x000F000F, {magic:#x}, 0xEA;
+        lop3.b32 $1, t23, 0x000F000F, {magic:#x}, 0xEA;
+        }}"""
+        return plgpu.elementwise_inline_asm(
+            asm, args=[q], constraints="=r,=r,r", pack=4,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, dtype)])[0]
+
+    return plane(0), plane(4)
+
+
 def _row_sum(x):
     return jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
 
@@ -64,7 +97,7 @@ def group_chunk(group_size: int, block_k: int) -> int:
 
 
 def _mixed_kernel(a_ref, q_ref, s_ref, out_ref, *, m: int, n: int, k: int, bits: int,
-                  group_size: int | None, config: MatmulConfig):
+                  group_size: int | None, config: MatmulConfig, interpret: bool):
     bm, bn, bk, split_k = config.block_m, config.block_n, config.block_k, config.split_k
     grid_ids = [pl.program_id(axis) for axis in range(2 if config.group_m == 1 else 1)]
     pid_m, pid_n = _tile_coords(grid_ids, cdiv(m, bm), cdiv(n, bn), config.group_m)
@@ -86,10 +119,12 @@ def _mixed_kernel(a_ref, q_ref, s_ref, out_ref, *, m: int, n: int, k: int, bits:
                  both(channel_mask, bounds(w0, width, w_bound, 1)))
         if bits == 8:
             return _dot_t(a, q.astype(a.dtype))
-        # Each byte holds q + 8 for k = 2i (low nibble) and 2i + 1 (high): joined as neighbours.
-        packed = q.astype(jnp.int16)
-        nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bn, chunk)
-        return _dot_t(a, _biased(nibbles, a.dtype)) - (_MAGIC[a.dtype][1] + 8) * _row_sum(a)
+        # Each byte holds q + 8 for k = 2i (low nibble) and 2i + 1 (high). The activations are
+        # split into their even and odd columns (a small tile) and meet one nibble plane each.
+        low, high = _nibble_planes(q, a.dtype, interpret)
+        a_even, a_odd = lax.unstack(a.reshape(a.shape[0], chunk // 2, 2), axis=2)
+        return (_dot_t(a_even, low) + _dot_t(a_odd, high)
+                - (_MAGIC[a.dtype][1] + 8) * _row_sum(a))
 
     def k_step(step, acc, k_bound=None):
         static = isinstance(step, int)  # the ragged tail's step is known at trace time
@@ -139,7 +174,7 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
     ]
     out_shape, out_specs = tile_outputs(m, n, config, out_dtype, rows, cols)
     kernel = functools.partial(_mixed_kernel, m=m, n=n, k=k, bits=bits, group_size=group_size,
-                               config=config)
+                               config=config, interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape[0],
