@@ -157,8 +157,9 @@ def _spec(shape, dtype):
 
 @pytest.mark.parametrize("bits,group_size,m,n,k,config", [
     (8, None, 16, 8192, 8192, None),          # decode shapes, heuristic tiles
-    (4, None, 16, 8192, 8192, None),
+    (4, None, 16, 8192, 8192, None),          # int4 rows <= 16: inline-PTX widening
     (4, 128, 1, 8192, 8192, None),
+    (4, 32, 64, 256, 512, None),              # int4 larger row tiles: the jnp widening
     (8, 64, 1000, 1030, 512, None),           # prefill-sized M, ragged N
     (4, None, 33, 100, 130, MatmulConfig(16, 32, 64, 1, 4, 2, split_k=2)),  # ragged K tail
 ])

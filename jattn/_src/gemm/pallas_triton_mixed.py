@@ -81,6 +81,14 @@ def _nibble_planes(q, dtype, interpret: bool):
     return plane(0), plane(4)
 
 
+# Row tiles up to this size widen int4 with _nibble_planes' inline PTX. H100, N=K=8192, 4
+# stages (benchmarks/RESULTS.md): M=16 27.8 us against 37.3 with the jnp form; at M=64 the
+# split activation tile cost more than the widening saved (51.7 us against 47.4), and joining
+# the asm planes back into k order gave wrong results on the GPU, so larger tiles keep the jnp
+# form.
+ASM_WIDENING_ROWS = 16
+
+
 def _row_sum(x):
     return jnp.sum(x.astype(jnp.float32), axis=1, keepdims=True)
 
@@ -119,12 +127,17 @@ def _mixed_kernel(a_ref, q_ref, s_ref, out_ref, *, m: int, n: int, k: int, bits:
                  both(channel_mask, bounds(w0, width, w_bound, 1)))
         if bits == 8:
             return _dot_t(a, q.astype(a.dtype))
-        # Each byte holds q + 8 for k = 2i (low nibble) and 2i + 1 (high). The activations are
-        # split into their even and odd columns (a small tile) and meet one nibble plane each.
-        low, high = _nibble_planes(q, a.dtype, interpret)
-        a_even, a_odd = lax.unstack(a.reshape(a.shape[0], chunk // 2, 2), axis=2)
-        return (_dot_t(a_even, low) + _dot_t(a_odd, high)
-                - (_MAGIC[a.dtype][1] + 8) * _row_sum(a))
+        # Each byte holds q + 8 for k = 2i (low nibble) and 2i + 1 (high).
+        excess = (_MAGIC[a.dtype][1] + 8) * _row_sum(a)
+        if bm <= ASM_WIDENING_ROWS:
+            # The activations split into even and odd columns, each meeting one nibble plane.
+            low, high = _nibble_planes(q, a.dtype, interpret)
+            a_even, a_odd = lax.unstack(a.reshape(bm, chunk // 2, 2), axis=2)
+            return _dot_t(a_even, low) + _dot_t(a_odd, high) - excess
+        # The nibbles joined as neighbours, back in k order.
+        packed = q.astype(jnp.int16)
+        nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bn, chunk)
+        return _dot_t(a, _biased(nibbles, a.dtype)) - excess
 
     def k_step(step, acc, k_bound=None):
         static = isinstance(step, int)  # the ragged tail's step is known at trace time
