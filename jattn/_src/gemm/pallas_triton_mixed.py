@@ -7,7 +7,8 @@ Each K step loads the integer tile [bn, chunk] (or [bn, chunk/2] bytes), widens 
 in registers and runs a tensor-core dot against its transpose into fp32; the dequantised weight
 never exists in memory. Read K-major, each byte already holds the two neighbouring k the dot
 wants side by side: the nibbles are joined along a new minor axis, not interleaved through
-memory. int4 values are widened by bit pattern (see _MAGIC); int8 by a conversion.
+memory. int4 values are widened by bit pattern (see _MAGIC; inline PTX for row tiles <= 16,
+where the activations are split into even and odd columns instead); int8 by a conversion.
 
 Scales: per channel ([1, N]) multiply the finished fp32 tile. Per group of `group_size` K rows
 ([K / group_size, N]) multiply each group's partial dot, so a K step is walked in chunks that lie
@@ -82,7 +83,7 @@ def _nibble_planes(q, dtype, interpret: bool):
 
 
 # Row tiles up to this size widen int4 with _nibble_planes' inline PTX. H100, N=K=8192, 4
-# stages (benchmarks/RESULTS.md): M=16 27.8 us against 37.3 with the jnp form; at M=64 the
+# stages (benchmarks/RESULTS.md): M=16 27.8-28.7 us against 37.3 with the jnp form; at M=64 the
 # split activation tile cost more than the widening saved (51.7 us against 47.4), and joining
 # the asm planes back into k order gave wrong results on the GPU, so larger tiles keep the jnp
 # form.
