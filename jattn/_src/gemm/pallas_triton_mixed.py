@@ -29,12 +29,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.gemm.pallas_triton import _tile_coords, tile_grid, tile_outputs, walk_k
+from jattn._src.pallas_triton_compile import compiler_params
 from jattn._src.pallas_triton_masked import both, bounds, load, store
 from jattn._src.tiling import cdiv
-
-
-def _dot(x, y):
-    return jnp.dot(x, y, preferred_element_type=jnp.float32)
 
 
 # Integer -> float without conversion instructions (a quarter-rate unit that bounded the int4
@@ -49,6 +46,12 @@ def _biased(u, dtype):
     return lax.bitcast_convert_type(u | jnp.int16(_MAGIC[jnp.dtype(dtype)][0]), dtype)
 
 
+def _nibbles(q):
+    """uint8 tile of packed int4 -> (low, high) nibbles as int16 tiles (element-wise jnp)."""
+    packed = q.astype(jnp.int16)
+    return packed & 15, packed >> 4
+
+
 def _nibble_planes(q, dtype, interpret: bool):
     """uint8 tile of packed int4 (+8) -> (low, high) nibble planes as `dtype` tiles of
     base + nibble (see _MAGIC), bit-exactly.
@@ -60,8 +63,7 @@ def _nibble_planes(q, dtype, interpret: bool):
     result per inline asm.)
     """
     if interpret:
-        packed = q.astype(jnp.int16)
-        return _biased(packed & 15, dtype), _biased(packed >> 4, dtype)
+        return tuple(_biased(plane, dtype) for plane in _nibbles(q))
     magic = _MAGIC[jnp.dtype(dtype)][0] * 0x10001
 
     def plane(shift: int):
@@ -136,8 +138,7 @@ def _mixed_kernel(a_ref, q_ref, s_ref, out_ref, *, m: int, n: int, k: int, bits:
             a_even, a_odd = lax.unstack(a.reshape(bm, chunk // 2, 2), axis=2)
             return _dot_t(a_even, low) + _dot_t(a_odd, high) - excess
         # The nibbles joined as neighbours, back in k order.
-        packed = q.astype(jnp.int16)
-        nibbles = jnp.stack([packed & 15, packed >> 4], axis=-1).reshape(bn, chunk)
+        nibbles = jnp.stack(_nibbles(q), axis=-1).reshape(bn, chunk)
         return _dot_t(a, _biased(nibbles, a.dtype)) - excess
 
     def k_step(step, acc, k_bound=None):
@@ -195,8 +196,7 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs[0],
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                             num_stages=config.num_stages),
+        compiler_params=compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name=f"jattn_mixed_matmul_int{bits}",
     )(a, qweight, scales)
