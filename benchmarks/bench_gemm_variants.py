@@ -23,6 +23,7 @@ shapes with the default implementation (xla on a CPU) to check the script end to
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn._src.gemm.reference import mixed_matmul_reference
 from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
 
 # (name, M, N, K1, K2)
@@ -179,10 +181,7 @@ def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
     dense_sets = [[x, w * (1 + i / copies)] for i, (x, _, _) in enumerate(quant_sets)]
     mode = dict(bits=bits, group_size=group_size)
     ours = jax.jit(lambda a, q, s: jattn.mixed_matmul(a, q, s, **mode))
-
-    def dequantise_then_dot(a, q, s):
-        w = jattn.dequantize_weight(q, s, dtype=a.dtype, **mode)
-        return jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    dequantise_then_dot = functools.partial(mixed_matmul_reference, **mode)
 
     compile_s = first_call_seconds(ours, *quant_sets[0])
     seconds = {"jattn": time_jax(ours, quant_sets),
