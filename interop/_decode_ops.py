@@ -23,7 +23,7 @@ from torch import Tensor
 
 import jattn
 from interop import _ops
-from interop._dlpack import same_device, to_jax, to_torch
+from interop._dlpack import same_device, to_torch
 
 _FN = "flex_decode"
 
@@ -32,11 +32,12 @@ _FN = "flex_decode"
 # ------------------------------------------------------------------------------------------------
 
 
-def check_no_grad(**tensors: Tensor | None) -> None:
-    """Raises NotImplementedError when grad mode is on and a tensor requires grad."""
-    if not torch.is_grad_enabled():
+def check_no_grad(tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> None:
+    """Raises NotImplementedError when grad mode is on and a tensor requires grad (names: the
+    tensors', for the error)."""
+    if not _ops.needs_autograd(tensors):
         return
-    names = [name for name, t in tensors.items() if t is not None and t.requires_grad]
+    names = [name for name, t in zip(names, tensors) if t.requires_grad]
     if names:
         raise NotImplementedError(
             "flex_decode is inference-only (no gradient), but grad mode is on and these "
@@ -122,6 +123,7 @@ def _check_pages(table: Tensor, lengths: Tensor, page_size: int, num_pages: int)
 # ------------------------------------------------------------------------------------------------
 
 _STATIC = ("mods", "block_size", "seq_lengths", "scale", "implementation")
+_TENSORS = ("q", "k", "v", "page_table", "kv_len")  # then the mask lists, then the captures
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -147,9 +149,9 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     """jattn::flex_decode. k, v: a contiguous cache, or with page_table [B, max_pages] int32 the
     pools of a paged one; kv_len: None or int [] / [B]. Returns out [B, Hq, Lq, Ev] (q's dtype)
     and the float32 LSE [B, Hq, Lq]."""
-    masks, named_captures = _ops.named_masks(mask_tensors), _ops.named_captures(captures)
-    device = _ops.ready_device(_FN, q=q, k=k, v=v, page_table=page_table, kv_len=kv_len,
-                               **masks, **named_captures)
+    n, m = len(mask_tensors), len(captures)
+    device, arrays = _ops.ready_views(_FN, (q, k, v, page_table, kv_len, *mask_tensors,
+                                            *captures), _ops.tensor_names(_TENSORS, n, m))
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])
     if device.type == "cpu":  # CUDA values are not read back (module docstring)
@@ -158,10 +160,8 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
         else:
             S, page_size, num_pages = page_table.shape[1] * k.shape[2], k.shape[2], k.shape[1]
         _check_cpu_lengths(kv_len, page_table, q.shape[0], S, page_size, num_pages)
-    arrays = [None if t is None else to_jax(t, name) for name, t in (
-        ("q", q), ("k", k), ("v", v), ("page_table", page_table), ("kv_len", kv_len))]
-    out, lse = _decode(*arrays, [to_jax(t, name) for name, t in masks.items()],
-                       [to_jax(t, name) for name, t in named_captures.items()], mods=mods,
+    first = len(_TENSORS)
+    out, lse = _decode(*arrays[:first], arrays[first:first + n], arrays[first + n:], mods=mods,
                        block_size=tuple(block_size), seq_lengths=tuple(seq_lengths), scale=scale,
                        implementation=_ops.implementation_for(_FN, device, implementation))
     return to_torch(out), to_torch(lse)
@@ -182,7 +182,7 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor],
     """jattn::flex_decode: the custom-op node under torch.compile; in eager mode its
     implementation, called directly (nothing for autograd to record, and the dispatcher's
     per-call cost saved)."""
-    check_no_grad(q=q, k=k, v=v, **_ops.named_captures(captures))
+    check_no_grad((q, k, v, *captures), _ops.tensor_names(("q", "k", "v"), 0, len(captures)))
     if torch.compiler.is_compiling():
         return flex_decode_op(q, k, v, page_table, kv_len, mask_tensors, captures, *static)
     return _decode_forward(q, k, v, page_table, kv_len, mask_tensors, captures, *static)

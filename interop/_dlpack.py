@@ -25,6 +25,7 @@ import ctypes
 import functools
 import threading
 import weakref
+from collections.abc import Sequence
 
 import jax
 import jax.dlpack
@@ -40,7 +41,7 @@ try:  # the call `jax.dlpack.from_dlpack` wraps, without its per-tensor host syn
 except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts: public path
     _import_capsule = _export_capsule = None
 
-_DL_CUDA = 2  # DLDeviceType kDLCUDA
+_DL_DEVICE_TYPES = {"cpu": 1, "cuda": 2}  # DLDeviceType kDLCPU, kDLCUDA
 
 # torch dtype -> JAX dtype, for every dtype that crosses.
 DTYPES = {
@@ -56,28 +57,38 @@ DTYPES = {
     torch.float8_e5m2: jnp.float8_e5m2,
 }
 
-# id(tensor) -> ((address, shape, dtype), view); an entry leaves when its tensor dies. (Not a
-# WeakKeyDictionary: its key comparisons would call torch's elementwise ==.)
+# id(tensor) -> ((address, shape, dtype), view, weak reference whose callback drops the entry
+# when its tensor dies). (Not a WeakKeyDictionary: its key comparisons would call torch's
+# elementwise ==; not weakref.finalize: ~10 us per new tensor, a weakref with a callback ~0.5.)
 _VIEWS: dict[int, tuple] = {}
 
 
-@functools.cache  # on every import of a CUDA tensor: look the device up once
-def _jax_gpu(index: int) -> jax.Device:
-    for device in jax.local_devices(backend="gpu"):
+@functools.cache  # on every import: look the device up once
+def _jax_device(platform: str, index: int) -> jax.Device:
+    backend = "gpu" if platform == "cuda" else platform
+    for device in jax.local_devices(backend=backend):
         if device.local_hardware_id == index:
             return device
-    raise ValueError(f"JAX sees no GPU with CUDA index {index}.")
+    raise ValueError(f"JAX sees no {platform} device with index {index}.")
 
 
 def _import(tensor: torch.Tensor) -> jax.Array:
-    if tensor.device.type != "cuda" or _import_capsule is None:
+    """The capsule call `jax.dlpack.from_dlpack` wraps (~5 us against its ~70: it also asks for
+    a stream JAX then ignores, and host-waits for it on CUDA). On the CPU it copies a tensor
+    whose address XLA finds misaligned."""
+    if _import_capsule is None:
         return jax.dlpack.from_dlpack(tensor)
+    platform = tensor.device.type
+    device = _jax_device(platform, tensor.device.index or 0)
     capsule = torch.utils.dlpack.to_dlpack(tensor)
-    device = _jax_gpu(tensor.device.index or 0)
     try:
-        return _import_capsule(capsule, device, None, None, _DL_CUDA)
+        return _import_capsule(capsule, device, None, None, _DL_DEVICE_TYPES[platform])
     except TypeError:  # jaxlib without the device-type argument
         return _import_capsule(capsule, device, None, None)
+
+
+def _forget(key: int):
+    return lambda _: _VIEWS.pop(key, None)
 
 
 def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
@@ -90,7 +101,7 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     if cached is not None and cached[0] == (tensor.data_ptr(), tensor.shape, tensor.dtype):
         return cached[1]  # validated when cached
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
+        raise _not_a_tensor(name, tensor)
     if tensor.dtype not in DTYPES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
@@ -103,9 +114,9 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     if array.dtype != jax.dtypes.canonicalize_dtype(array.dtype):
         array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64
     if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
-        if id(tensor) not in _VIEWS:
-            weakref.finalize(tensor, _VIEWS.pop, id(tensor), None)
-        _VIEWS[id(tensor)] = ((tensor.data_ptr(), tensor.shape, tensor.dtype), array)
+        key = id(tensor)
+        _VIEWS[key] = ((tensor.data_ptr(), tensor.shape, tensor.dtype), array,
+                       weakref.ref(tensor, _forget(key)))
     return array
 
 
@@ -129,7 +140,7 @@ def _jax_compute_stream(index: int) -> int:
     seen = []
     program = jax.jit(buffer_callback(lambda ctx, out: seen.append(ctx.stream),
                                       jax.ShapeDtypeStruct((), jnp.int8)),
-                      out_shardings=jax.sharding.SingleDeviceSharding(_jax_gpu(index)))
+                      out_shardings=jax.sharding.SingleDeviceSharding(_jax_device("cuda", index)))
     jax.block_until_ready(program())
     return seen[0]
 
@@ -164,17 +175,46 @@ def wait_for_torch(device: torch.device) -> None:
 def to_torch(array: jax.Array) -> torch.Tensor:
     """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
     on torch's current stream waits for the computation that produces it."""
-    device = array.device
-    if device.platform != "gpu" or _export_capsule is None:
+    if _export_capsule is None:
         return torch.from_dlpack(array)
-    stream = _torch_stream(device.local_hardware_id)
+    device = array.device
+    stream = _torch_stream(device.local_hardware_id) if device.platform == "gpu" else None
     return torch.utils.dlpack.from_dlpack(_export_capsule(array, stream=stream))
 
 
 def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
     """The one device all given tensors (None skipped) are on, else a clear error."""
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        seen = ", ".join(f"{name} on {device}" for name, device in devices.items())
-        raise ValueError(f"{fn}: all tensors must be on one device, got {seen}.")
-    return next(iter(devices.values()))
+    devices = {t.device for t in tensors.values() if t is not None}
+    if len(devices) > 1:
+        raise _device_error(fn, list(tensors.values()), list(tensors))
+    return devices.pop()
+
+
+def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
+              names: Sequence[str]) -> tuple[torch.device, list[jax.Array | None]]:
+    """The one device the torch tensors are on (else a clear error) and their JAX views
+    (`to_jax`; JAX arrays and None pass through), in one pass: ops call it on every call.
+    names: the tensors' argument names, for errors."""
+    device, arrays = None, []
+    for tensor, name in zip(tensors, names):
+        if tensor is None or isinstance(tensor, jax.Array):
+            arrays.append(tensor)
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise _not_a_tensor(name, tensor)
+        if device is None:
+            device = tensor.device
+        elif tensor.device != device:
+            raise _device_error(fn, tensors, names)
+        arrays.append(to_jax(tensor, name))
+    return device, arrays
+
+
+def _not_a_tensor(name: str, value) -> TypeError:
+    return TypeError(f"`{name}` must be a torch.Tensor, got {type(value).__name__}.")
+
+
+def _device_error(fn: str, tensors: Sequence, names: Sequence[str]) -> ValueError:
+    seen = ", ".join(f"{name} on {t.device}" for t, name in zip(tensors, names)
+                     if isinstance(t, torch.Tensor))
+    return ValueError(f"{fn}: all tensors must be on one device, got {seen}.")

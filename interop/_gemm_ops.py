@@ -21,18 +21,22 @@ from torch import Tensor
 
 import jattn
 from interop._dlpack import DTYPES, to_torch
-from interop._ops import _arrays, implementation_for, ready_device
+from interop._ops import implementation_for, needs_autograd, ready_views
 
 # Outside torch.compile each op runs as an autograd.Function with the same implementation and
-# gradient formula: the custom-op dispatcher costs ~75 us per call on top (measured, H100).
-_EAGER: dict[str, Callable[..., Tensor]] = {}
+# gradient formula (the custom-op dispatcher costs ~75 us per call on top, measured on the
+# H100), or as that implementation alone when nothing needs a gradient: op -> (autograd
+# twin, implementation).
+_EAGER: dict[str, tuple[Callable[..., Tensor], Callable[..., Tensor]]] = {}
 
 
 def run_op(op: str, *args):
-    """jattn::<op>(*args): a custom-op node under torch.compile, else its eager twin."""
+    """jattn::<op>(*args): a custom-op node under torch.compile, else its eager twin, or its
+    implementation when autograd has nothing to record."""
     if torch.compiler.is_compiling():
         return getattr(torch.ops.jattn, op)(*args)
-    return _EAGER[op](*args)
+    with_autograd, forward = _EAGER[op]
+    return with_autograd(*args) if needs_autograd(args) else forward(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +119,15 @@ def register(spec: GemmOp):
                     implementation=implementation_for(spec.name, device, args[-1]))
 
     def run_forward(*args) -> Tensor:
-        tensors = dict(zip(names, args[:n]))
-        device = ready_device(spec.name, **tensors)
-        return to_torch(forward_jit(*_arrays(**tensors), **static(args, device)))
+        device, arrays = ready_views(spec.name, args[:n], names)
+        return to_torch(forward_jit(*arrays, **static(args, device)))
 
     def run_backward(grad, *args) -> list[Tensor]:
         """[a gradient for each tensor of spec.grads that is not None]"""
         if spec.no_gradient is not None:
             raise NotImplementedError(spec.no_gradient)
-        tensors = dict(zip(names, args[:n]))
-        device = ready_device(spec.name, grad=grad, **tensors)
-        grads = vjp_jit(*_arrays(grad=grad, **tensors), **static(args, device))
+        device, arrays = ready_views(spec.name, (grad, *args[:n]), ("grad", *names))
+        grads = vjp_jit(*arrays, **static(args, device))
         return [to_torch(g) for g in grads if g is not None]
 
     def backward_fake(grad, *args):
@@ -168,7 +170,7 @@ def register(spec: GemmOp):
             tensors = ctx.saved_tensors
             return input_grads(tensors, run_backward(grad, *tensors, *ctx.options))
 
-    _EAGER[spec.name] = Eager.apply
+    _EAGER[spec.name] = Eager.apply, run_forward
     return op, backward_op
 
 
@@ -234,6 +236,6 @@ def _quantize(w, *, bits, group_size):
 
 def quantize_weight(w: Tensor, bits: int, group_size: Optional[int]) -> tuple[Tensor, Tensor]:
     """jattn.quantize_weight on a torch weight: (qweight, scales) on w's device."""
-    ready_device("quantize_weight", w=w)  # on CUDA: after torch's queued writes to w
-    qweight, scales = _quantize(*_arrays(w=w), bits=bits, group_size=group_size)
+    _, (array,) = ready_views("quantize_weight", (w,), ("w",))  # after torch's writes to w
+    qweight, scales = _quantize(array, bits=bits, group_size=group_size)
     return to_torch(qweight), to_torch(scales)

@@ -13,6 +13,7 @@ flex_attention; the GEMMs are in `_gemm_ops`, flex_decode in `_decode_ops`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Optional
 
 import jax
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 import jattn
-from interop._dlpack import same_device, to_jax, to_torch, wait_for_torch
+from interop._dlpack import jax_views, to_torch, wait_for_torch
 from interop._translate import TranslatedMod, is_torch_mod, translate
 from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
 
@@ -41,18 +42,22 @@ def implementation_for(fn: str, device: torch.device, implementation: Optional[s
     return implementation
 
 
-def ready_device(fn: str, **tensors: Tensor | None) -> torch.device:
-    """The one device of the op's tensors; on CUDA, JAX's next kernels there are ordered after
-    the work queued so far on torch's current stream."""
-    device = same_device(fn, **tensors)
+def ready_views(fn: str, tensors: Sequence[Tensor | jax.Array | None],
+                names: Sequence[str]) -> tuple[torch.device, list[jax.Array | None]]:
+    """The op's tensors as JAX views (JAX arrays kept from a forward and None pass through) and
+    their one device; on CUDA, JAX's next kernels there are ordered after the work queued so
+    far on torch's current stream. names: the tensors' argument names, for errors."""
+    device, arrays = jax_views(fn, tensors, names)
     wait_for_torch(device)
-    return device
+    return device, arrays
 
 
-def _arrays(**tensors: Tensor | jax.Array | None) -> list[jax.Array | None]:
-    """JAX views of the tensors; JAX arrays (kept from a forward) and None pass through."""
-    return [t if t is None or isinstance(t, jax.Array) else to_jax(t, name)
-            for name, t in tensors.items()]
+def needs_autograd(tensors) -> bool:
+    """Whether autograd must record a call on these op arguments: grad mode is on and a tensor
+    among them requires grad. (Otherwise the eager ops skip the autograd.Function, ~35 us of
+    host time per call on the CPU machine.)"""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,30 +159,31 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
                          for c, d, wanted in zip(captures, d_captures, learnable) if wanted)
 
 
-def named_masks(mask_tensors) -> dict[str, Tensor]:
-    return dict(zip(MASK_FIELDS, mask_tensors))
+@functools.cache
+def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int) -> tuple[str, ...]:
+    """Argument names of an op's tensors, for errors: `leading`, then its mask lists (in
+    MASK_FIELDS order), then the tensors its mods close over."""
+    return (*leading, *MASK_FIELDS[:n_masks], *(f"captured tensor {i}" for i in range(n_captures)))
 
 
-def named_captures(captures) -> dict[str, Tensor]:
-    return {f"captured tensor {i}": t for i, t in enumerate(captures)}
-
-
-def _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
-                 enable_gqa, implementation):
-    """The static jit arguments of a flex op call (JAX's stream on the device then ordered
-    after torch's queued work)."""
-    device = ready_device("flex_attention", q=q, k=k, v=v, **named_masks(mask_tensors),
-                          **named_captures(captures))
+def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa,
+                 implementation) -> dict:
+    """The static jit arguments of a flex op call on tensors on `device`."""
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
                 implementation=implementation_for("flex_attention", device, implementation))
 
 
+_FORWARD_TENSORS = ("q", "k", "v")
+_BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
+
+
 def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static) -> tuple[jax.Array, ...]:
     """jattn::flex_attention's (out, lse) as JAX arrays."""
-    static = _flex_static(q, k, v, mask_tensors, captures, *static)
-    return _flex(*_arrays(q=q, k=k, v=v), _arrays(**named_masks(mask_tensors)),
-                 _arrays(**named_captures(captures)), **static)
+    n, m = len(mask_tensors), len(captures)
+    device, arrays = ready_views("flex_attention", (q, k, v, *mask_tensors, *captures),
+                                 tensor_names(_FORWARD_TENSORS, n, m))
+    return _flex(*arrays[:3], arrays[3:3 + n], arrays[3 + n:], **_flex_static(device, *static))
 
 
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
@@ -196,11 +202,13 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
                       scale: Optional[float], enable_gqa: bool,
                       implementation: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
-    static = _flex_static(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
-                          enable_gqa, implementation)
-    grads = _flex_backward(*_arrays(d_out=d_out, d_lse=d_lse, q=q, k=k, v=v, out=out, lse=lse),
-                           _arrays(**named_masks(mask_tensors)),
-                           _arrays(**named_captures(captures)), **static)
+    n, m, first = len(mask_tensors), len(captures), len(_BACKWARD_TENSORS)
+    device, arrays = ready_views(
+        "flex_attention", (d_out, d_lse, q, k, v, out, lse, *mask_tensors, *captures),
+        tensor_names(_BACKWARD_TENSORS, n, m))
+    grads = _flex_backward(*arrays[:first], arrays[first:first + n], arrays[first + n:],
+                           **_flex_static(device, mods, block_size, seq_lengths, scale,
+                                          enable_gqa, implementation))
     return [to_torch(g) for g in grads]
 
 
@@ -272,8 +280,11 @@ class _EagerFlex(torch.autograd.Function):
 
 def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
     """jattn::flex_attention: (out, lse) under torch.compile (lse dropped unless asked for),
-    else its eager twin."""
+    else its eager twin, or without autograd when nothing needs a gradient."""
     if torch.compiler.is_compiling():
         out, lse = torch.ops.jattn.flex_attention(q, k, v, masks, captures, *static)
         return (out, lse) if return_lse else out
-    return _EagerFlex.apply(static, len(masks), return_lse, q, k, v, *masks, *captures)
+    if needs_autograd((q, k, v, *captures)):
+        return _EagerFlex.apply(static, len(masks), return_lse, q, k, v, *masks, *captures)
+    out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
+    return (to_torch(out), to_torch(lse)) if return_lse else to_torch(out)

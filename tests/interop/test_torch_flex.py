@@ -147,6 +147,30 @@ def test_eager_path_matches_the_registered_op(return_lse):
         assert torch.equal(eager_result, registered_result)
 
 
+def test_calls_without_a_gradient_skip_autograd(monkeypatch):
+    """No input or captured table requiring grad (or grad mode off): the op runs without its
+    autograd.Function, with the same outputs bit for bit and no graph recorded."""
+    q, k, v = (t.detach() for t in _qkv())
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    table = torch.randn(HQ, 9, generator=torch.Generator().manual_seed(6))
+    score_mod = lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9]  # noqa: E731
+
+    def run():
+        return jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                 return_lse=True)
+
+    table.requires_grad_()
+    recorded = run()
+    assert recorded[0].grad_fn is not None
+    monkeypatch.setattr(_ops._EagerFlex, "apply", None)  # the Function unused from here
+    with torch.no_grad():
+        no_grad = run()
+    table.requires_grad_(False)
+    for outputs in (no_grad, run()):
+        for out, expected in zip(outputs, recorded):
+            assert out.grad_fn is None and torch.equal(out, expected.detach())
+
+
 def test_compiles_without_graph_breaks():
     q, k, v = _qkv()
     block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)

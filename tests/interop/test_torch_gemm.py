@@ -9,6 +9,7 @@ import jattn
 
 torch = pytest.importorskip("torch")
 import interop.torch as jt  # noqa: E402
+from interop import _gemm_ops  # noqa: E402
 
 CASES = {
     "matmul": dict(a=(3, 37, 64), b=(64, 48), bias=(48,)),
@@ -131,3 +132,20 @@ def test_eager_path_matches_the_registered_op():
         results.append((out.detach(), *torch.autograd.grad(out, (a, b, bias), grad)))
     for eager, registered in zip(*results):
         assert torch.equal(eager, registered)
+
+
+def test_calls_without_a_gradient_skip_autograd(monkeypatch):
+    """When nothing needs a gradient (no input requires grad, or grad mode off) the op runs
+    without its autograd.Function: the same result, bit for bit, and no graph recorded."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(24, 40, generator=gen), torch.randn(40, 12, generator=gen)
+    recorded = jt.matmul(a.clone().requires_grad_(), b)
+    assert recorded.grad_fn is not None
+    _, forward = _gemm_ops._EAGER["matmul"]
+    monkeypatch.setitem(_gemm_ops._EAGER, "matmul", (None, forward))  # the Function unused
+    with torch.no_grad():
+        no_grad = jt.matmul(a.clone().requires_grad_(), b)
+    plain = jt.matmul(a, b)
+    for out in (no_grad, plain):
+        assert out.grad_fn is None and not out.requires_grad
+        assert torch.equal(out, recorded.detach())
