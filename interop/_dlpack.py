@@ -57,6 +57,8 @@ DTYPES = {
     torch.float8_e5m2: jnp.float8_e5m2,
 }
 
+_WIDENED = (torch.int64,)  # the dtypes of DTYPES that JAX narrows without x64
+
 # id(tensor) -> ((address, shape, dtype), view, weak reference whose callback drops the entry
 # when its tensor dies). (Not a WeakKeyDictionary: its key comparisons would call torch's
 # elementwise ==; not weakref.finalize: ~10 us per new tensor, a weakref with a callback ~0.5.)
@@ -107,11 +109,13 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"`{name}` is on {tensor.device}; jattn runs on CPU and CUDA tensors.")
+    # Always a detached alias: a capsule of `tensor` itself would keep its Python object alive
+    # (torch preserves it while the C++ tensor is referenced), so the cache would never let go.
     source = tensor.detach()
     if not source.is_contiguous():
         source = source.contiguous()  # the one documented copy
     array = _import(source)
-    if array.dtype != jax.dtypes.canonicalize_dtype(array.dtype):
+    if tensor.dtype in _WIDENED and not jax.config.jax_enable_x64:
         array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64
     if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
         key = id(tensor)
@@ -197,16 +201,16 @@ def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
     names: the tensors' argument names, for errors."""
     device, arrays = None, []
     for tensor, name in zip(tensors, names):
-        if tensor is None or isinstance(tensor, jax.Array):
+        if isinstance(tensor, torch.Tensor):  # the common case first: a cheap check
+            if device is None:
+                device = tensor.device
+            elif tensor.device != device:
+                raise _device_error(fn, tensors, names)
+            arrays.append(to_jax(tensor, name))
+        elif tensor is None or isinstance(tensor, jax.Array):
             arrays.append(tensor)
-            continue
-        if not isinstance(tensor, torch.Tensor):
+        else:
             raise _not_a_tensor(name, tensor)
-        if device is None:
-            device = tensor.device
-        elif tensor.device != device:
-            raise _device_error(fn, tensors, names)
-        arrays.append(to_jax(tensor, name))
     return device, arrays
 
 

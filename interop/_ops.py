@@ -67,7 +67,10 @@ def needs_autograd(tensors) -> bool:
 # Mods cannot be op arguments, so ops receive a key into this registry (a constant string in a
 # torch.compile graph), translated to JAX once per key.
 MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
-_MOD_OBJECTS: dict[str, tuple] = {}  # the mods themselves: keeps the ids in each key alive
+# (identity of score_mod, of mask_mod) -> key, and the mods themselves (keeping the ids in each
+# identity alive, hence unique).
+_KEYS: dict[tuple, str] = {}
+_MOD_OBJECTS: dict[str, tuple] = {}
 
 
 def as_jax_mod(mod, kind: str) -> TranslatedMod | None:
@@ -80,23 +83,25 @@ def as_jax_mod(mod, kind: str) -> TranslatedMod | None:
     return TranslatedMod(lambda captures, *args: mod(*args), ())
 
 
-def _identity(mod) -> str:
+def _identity(mod) -> tuple[int, ...]:
     """Who a mod is: its code and the objects it closes over, so a lambda re-created on every
     call with the same captures reuses one translation and one compiled kernel."""
     code = getattr(mod, "__code__", None)
-    if mod is None or code is None:
-        return f"{id(mod):x}"
-    cells = tuple(id(cell.cell_contents) for cell in mod.__closure__ or ())
-    return f"{id(code):x}{cells}"
+    if code is None:
+        return (id(mod),)
+    return (id(code), *(id(cell.cell_contents) for cell in mod.__closure__ or ()))
 
 
 @torch._dynamo.assume_constant_result  # runs (and registers) at trace time; the key is a constant
 def register_mods(score_mod, mask_mod) -> str:
     """The op key for a (score_mod, mask_mod) pair, each torch-written, JAX or None."""
-    key = f"score:{_identity(score_mod)}/mask:{_identity(mask_mod)}"
-    if key not in MODS:
+    identity = (_identity(score_mod), _identity(mask_mod))
+    key = _KEYS.get(identity)
+    if key is None:
+        key = f"mods{len(_KEYS)}"
         MODS[key] = (as_jax_mod(score_mod, "score"), as_jax_mod(mask_mod, "mask"))
         _MOD_OBJECTS[key] = (score_mod, mask_mod)
+        _KEYS[identity] = key
     return key
 
 

@@ -9,6 +9,7 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import torch
@@ -122,11 +123,17 @@ def mixed_matmul(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 # ------------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _torch_flex():
+    """torch.nn.attention.flex_attention, imported on first use (once: ops call this per call)."""
+    import torch.nn.attention.flex_attention as module
+
+    return module
+
+
 def _mask_tensors(block_mask, L: int, S: int) -> tuple[list[torch.Tensor], list[int]]:
     """A torch BlockMask's lists in the ops' order (zero-copy), and its block size."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if not isinstance(block_mask, BlockMask):
+    if not isinstance(block_mask, _torch_flex().BlockMask):
         raise TypeError("flex_attention: `block_mask` must be a torch BlockMask (from "
                         "interop.torch.create_block_mask or torch's create_block_mask), got "
                         f"{type(block_mask).__name__}.")
@@ -141,9 +148,7 @@ def _mask_tensors(block_mask, L: int, S: int) -> tuple[list[torch.Tensor], list[
 
 
 def _jax_mask_mod(block_mask):
-    from torch.nn.attention.flex_attention import noop_mask
-
-    if block_mask is None or block_mask.mask_mod is noop_mask:
+    if block_mask is None or block_mask.mask_mod is _torch_flex().noop_mask:
         return None
     return block_mask.mask_mod
 
@@ -175,8 +180,6 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     """A torch BlockMask built by `jattn.create_block_mask` (on the JAX device matching
     `device`), its lists shared with JAX without copies. mask_mod is torch-written (translated
     to JAX) or a JAX function; the BlockMask keeps it as given."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     device = torch.device(device)
     platform = "cuda" if device.type == "cuda" else "cpu"
     translated = _ops.as_jax_mod(mask_mod, "mask") if callable(mask_mod) else None
@@ -189,7 +192,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     lists = [None if x is None else _dlpack.to_torch(x) for x in (
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]
-    return BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
+    return _torch_flex().BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -272,9 +275,7 @@ class PagedKVCache:
 def _decode_mask_tensors(block_mask, S: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """A torch BlockMask's lists (zero-copy), block size and (Q_LEN, KV_LEN), for a cache of
     length S."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    if not isinstance(block_mask, BlockMask):
+    if not isinstance(block_mask, _torch_flex().BlockMask):
         raise TypeError("flex_decode: `block_mask` must be a torch BlockMask (from "
                         "interop.torch.create_block_mask or torch's create_block_mask), got "
                         f"{type(block_mask).__name__}.")
