@@ -1,14 +1,22 @@
 """Per-call overhead of the torch ops in `interop.torch`, same run as the direct JAX call.
 
-    python -m benchmarks.bench_interop [--json out.json]
+    python -m benchmarks.bench_interop [--device cuda|cpu] [--json out.json]
 
 At a small shape the GPU work is a few microseconds, so the time per call of a long stream of
 back-to-back calls (one synchronisation at the end) is the host-side cost of a call: for the
 direct call, jit dispatch of the jitted jattn function on JAX arrays; for the torch op, that plus
-the custom-op dispatch and the DLPack crossings. Added overhead = torch op - direct JAX call.
-Target (issue 4): <= 50 us per call. "New tensor objects" passes fresh views each call (no
-cached crossing), as activations are. torch's own op on the same tensors is printed for scale.
-Also: flex_attention end to end (causal) at the attention benchmark shapes, op vs direct JAX.
+the DLPack crossings and the Python around them. Added overhead = torch op - direct JAX call.
+Target (issue 4): <= 50 us per call. Columns: "same tensors" passes the same torch tensors every
+call (inference: nothing requires grad); "new tensor objects" passes fresh views each call (no
+cached crossing), as activations are; "training" passes the same tensors with the first one
+requiring grad (the autograd.Function records a node; forward only). torch's own op on the same
+tensors is printed for scale. On CUDA also: flex_attention end to end (causal) at the attention
+benchmark shapes, op vs direct JAX.
+
+--device cpu times the XLA implementation on CPU tensors at smaller shapes, with JAX's CPU
+client dispatching synchronously (an exported CPU result waits for its computation; this way
+the direct call does too, and neither side pays a thread hand-off). The computations are not
+negligible there: the per-call numbers carry their noise.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ import jattn
 from benchmarks import shapes
 
 CALLS = 2000
+SHAPES = {"cuda": {"matmul": (128, 256), "flex": (256, 1024), "head_dim": 64,
+                   "dtype": torch.bfloat16},
+          "cpu": {"matmul": (16, 64), "flex": (64, 128), "head_dim": 16,
+                  "dtype": torch.float32}}
 
 
 def _per_call_seconds(fn, wait) -> float:
@@ -48,47 +60,54 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(tensor.shape)
 
 
-def bench_matmul(n: int) -> dict:
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ja, jb = jax.dlpack.from_dlpack(a), jax.dlpack.from_dlpack(b)
-    direct = jax.jit(lambda x, y: jattn.matmul(x, y))
-    sync = lambda *_: torch.cuda.synchronize()  # noqa: E731
-    row = {"op": "matmul", "shape": f"{n}^3 bf16",
-           "jax_us": 1e6 * _per_call_seconds(lambda: direct(ja, jb),
-                                             lambda *o: jax.block_until_ready(o)),
-           "interop_us": 1e6 * _per_call_seconds(lambda: jt.matmul(a, b), sync),
-           "interop_fresh_us": 1e6 * _per_call_seconds(lambda: jt.matmul(_fresh(a), b), sync),
-           "torch_us": 1e6 * _per_call_seconds(lambda: torch.mm(a, b), sync)}
-    row["added_us"] = row["interop_us"] - row["jax_us"]
-    row["added_fresh_us"] = row["interop_fresh_us"] - row["jax_us"]
+def _timed_row(op: str, shape: str, device: str, direct, interop_call, torch_call,
+               first: torch.Tensor, rest: tuple) -> dict:
+    """Per-call microseconds of the direct JAX call, of `interop_call(first, *rest)` with the
+    same tensors, fresh views and `first` requiring grad, and of `torch_call`."""
+    if device == "cuda":
+        wait = lambda *_: torch.cuda.synchronize()  # noqa: E731
+        wait_jax = lambda *o: jax.block_until_ready(o)  # noqa: E731
+    else:  # synchronous dispatch (main)
+        wait = wait_jax = lambda *_: None  # noqa: E731
+    trained = first.detach().requires_grad_()
+    row = {"op": op, "shape": shape,
+           "jax_us": _per_call_seconds(direct, wait_jax),
+           "interop_us": _per_call_seconds(lambda: interop_call(first, *rest), wait),
+           "interop_fresh_us": _per_call_seconds(
+               lambda: interop_call(_fresh(first), *map(_fresh, rest)), wait),
+           "interop_training_us": _per_call_seconds(lambda: interop_call(trained, *rest), wait),
+           "torch_us": _per_call_seconds(torch_call, wait)}
+    row = {k: v * 1e6 if k.endswith("_us") else v for k, v in row.items()}
+    for column in ("", "_fresh", "_training"):
+        row[f"added{column}_us"] = row[f"interop{column}_us"] - row["jax_us"]
     return row
 
 
-def bench_flex_overhead(L: int) -> dict:
-    """Per-call cost of a small causal flex attention (B1 H2 D64): the op vs the direct call,
-    and torch's own compiled flex_attention on the same tensors."""
+def bench_matmul(n: int, device: str) -> dict:
+    dtype = SHAPES[device]["dtype"]
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    ja, jb = jax.dlpack.from_dlpack(a), jax.dlpack.from_dlpack(b)
+    direct = jax.jit(lambda x, y: jattn.matmul(x, y))
+    return _timed_row("matmul", f"{n}^3 {str(dtype).removeprefix('torch.')}", device,
+                      lambda: direct(ja, jb), jt.matmul, lambda: torch.mm(a, b), a, (b,))
+
+
+def bench_flex_overhead(L: int, device: str) -> dict:
+    """Per-call cost of a small causal flex attention (B1 H2): the op vs the direct call, and
+    torch's own compiled flex_attention on the same tensors."""
     from torch.nn.attention import flex_attention as tflex
 
-    q = torch.randn(1, 2, L, 64, device="cuda", dtype=torch.bfloat16)
-    mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device="cuda")
+    D, dtype = SHAPES[device]["head_dim"], SHAPES[device]["dtype"]
+    q = torch.randn(1, 2, L, D, device=device, dtype=dtype)
+    mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=device)
     jq = jax.dlpack.from_dlpack(q)
     jmask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
     direct = jax.jit(lambda x: jattn.flex_attention(x, x, x, None, jmask))
     compiled = torch.compile(tflex.flex_attention)
-    sync = lambda *_: torch.cuda.synchronize()  # noqa: E731
-    row = {"op": "flex_attention", "shape": f"B1 H2 L{L} D64 causal bf16",
-           "jax_us": 1e6 * _per_call_seconds(lambda: direct(jq),
-                                             lambda *o: jax.block_until_ready(o)),
-           "interop_us": 1e6 * _per_call_seconds(lambda: jt.flex_attention(q, q, q, None, mask),
-                                                 sync),
-           "interop_fresh_us": 1e6 * _per_call_seconds(
-               lambda: jt.flex_attention(_fresh(q), _fresh(q), _fresh(q), None, mask), sync),
-           "torch_us": 1e6 * _per_call_seconds(lambda: compiled(q, q, q, block_mask=mask),
-                                               sync)}
-    row["added_us"] = row["interop_us"] - row["jax_us"]
-    row["added_fresh_us"] = row["interop_fresh_us"] - row["jax_us"]
-    return row
+    return _timed_row("flex_attention",
+                      f"B1 H2 L{L} D{D} causal {str(dtype).removeprefix('torch.')}", device,
+                      lambda: direct(jq), lambda q, k, v: jt.flex_attention(q, k, v, None, mask),
+                      lambda: compiled(q, q, q, block_mask=mask), q, (q, q))
 
 
 def bench_end_to_end(name, B, H, L, D) -> dict:
@@ -120,19 +139,26 @@ def bench_end_to_end(name, B, H, L, D) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; torch "
-          f"{torch.__version__}")
+    # Before JAX's backends start: the CPU client reads this when it is created. The first
+    # computation then starts them after interop set its allocator option.
+    jax.config.update("jax_cpu_enable_async_dispatch", args.device != "cpu")
+    jnp.zeros(())
+    print(f"device: {jax.devices(args.device if args.device == 'cpu' else None)[0].device_kind}"
+          f"; jax {jax.__version__}; torch {torch.__version__}")
     rows = []
-    for r in [bench_matmul(n) for n in (128, 256)] + [bench_flex_overhead(L)
-                                                       for L in (256, 1024)]:
+    sizes = SHAPES[args.device]
+    for r in ([bench_matmul(n, args.device) for n in sizes["matmul"]]
+              + [bench_flex_overhead(L, args.device) for L in sizes["flex"]]):
         rows.append(r)
-        print(f"{r['op']} {r['shape']}: direct jax {r['jax_us']:.1f} us, interop.torch "
-              f"{r['interop_us']:.1f} us (added {r['added_us']:+.1f} us; new tensor objects "
-              f"{r['interop_fresh_us']:.1f} us, added {r['added_fresh_us']:+.1f} us), torch "
+        print(f"{r['op']} {r['shape']}: direct jax {r['jax_us']:.1f} us; interop.torch "
+              f"same tensors {r['interop_us']:.1f} us (added {r['added_us']:+.1f}), new tensor "
+              f"objects {r['interop_fresh_us']:.1f} ({r['added_fresh_us']:+.1f}), training "
+              f"{r['interop_training_us']:.1f} ({r['added_training_us']:+.1f}); torch "
               f"{r['torch_us']:.1f} us", flush=True)
-    for name, B, H, L, D in shapes.ATTENTION:
+    for name, B, H, L, D in shapes.ATTENTION if args.device == "cuda" else ():
         r = bench_end_to_end(name, B, H, L, D)
         rows.append(r)
         print(f"{r['op']} {name}: forward jax {r['fwd_jax_ms']:.3f} ms, op "
@@ -144,5 +170,4 @@ def main():
 
 
 if __name__ == "__main__":
-    jnp.zeros(())  # initialise JAX's backend after interop set its allocator option
     main()
