@@ -129,12 +129,14 @@ _TENSORS = ("q", "k", "v", "page_table", "kv_len")  # then the mask lists, then 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _decode(q, k, v, page_table, kv_len, mask_arrays, captures, *, mods, block_size,
             seq_lengths, scale, implementation):
-    """(out, lse) of jattn.flex_decode; with a page table, k and v are a PagedKVCache's pools."""
+    """(out, lse) of jattn.flex_decode; with a page table, k and v are a PagedKVCache's pools.
+    mask_arrays: the kv-major lists."""
     score, mask = _ops.MODS[mods]
     n_score = 0 if score is None else len(score.captures)
     score_mod = None if score is None else score.bind(captures[:n_score])
     mask_mod = None if mask is None else mask.bind(captures[n_score:])
-    block_mask = _ops.jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
+    block_mask = _ops.jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
+                                       kv_only=True)
     if page_table is not None:
         k, v = jattn.PagedKVCache(k, v, page_table), None
     return jattn.flex_decode(q, k, v, score_mod, block_mask, kv_len=kv_len, scale=scale,
@@ -149,9 +151,10 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     """jattn::flex_decode. k, v: a contiguous cache, or with page_table [B, max_pages] int32 the
     pools of a paged one; kv_len: None or int [] / [B]. Returns out [B, Hq, Lq, Ev] (q's dtype)
     and the float32 LSE [B, Hq, Lq]."""
-    n, m = len(mask_tensors), len(captures)
-    device, arrays = _ops.ready_views(_FN, (q, k, v, page_table, kv_len, *mask_tensors,
-                                            *captures), _ops.tensor_names(_TENSORS, n, m))
+    lists = _ops.kv_major(mask_tensors)  # all the decode kernel reads
+    n, m = len(lists), len(captures)
+    device, arrays = _ops.ready_views(_FN, (q, k, v, page_table, kv_len, *lists, *captures),
+                                      _ops.tensor_names(_TENSORS, n, m, kv_only=True))
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])
     if device.type == "cpu":  # CUDA values are not read back (module docstring)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -116,25 +117,44 @@ MASK_FIELDS = ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
                "full_kv_num_blocks", "full_kv_indices", "full_q_num_blocks", "full_q_indices")
 
 
-def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod):
+# Positions of the kv-major lists in MASK_FIELDS (partial, then full): all a forward reads.
+_KV_MAJOR = (0, 1, 4, 5)
+
+
+def kv_major(mask_fields: Sequence) -> list:
+    """The kv-major entries of an op's mask tensors (or of MASK_FIELDS)."""
+    return [mask_fields[i] for i in _KV_MAJOR if i < len(mask_fields)]
+
+
+def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod, *, kv_only: bool = False):
+    """The jattn.BlockMask of an op's mask arrays: all lists in MASK_FIELDS order, or with
+    kv_only only the kv-major ones (forwards). The q-major lists, which only the backward
+    reads, are then zero placeholders of their shapes (constants under jit): a forward call
+    passes half the arrays, and each array argument costs ~2.5 us of dispatch (H100)."""
     if not arrays:
         return None
+    if kv_only:
+        Bm, Hm, n_q, n_kv = arrays[1].shape
+        q_major = [np.zeros((Bm, Hm, n_kv), np.int32), np.zeros((Bm, Hm, n_kv, n_q), np.int32)]
+        arrays = [*arrays[:2], *q_major, *arrays[2:], *(q_major if len(arrays) > 2 else ())]
     fields = dict.fromkeys(MASK_FIELDS)
     fields.update(zip(MASK_FIELDS, arrays))
     return jattn.BlockMask(**fields, block_size=block_size, seq_lengths=seq_lengths,
                            mask_mod=mask_mod)
 
 
-def _flex_call(fn, mods, block_size, seq_lengths, scale, enable_gqa, implementation):
-    """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists and the
-    capture arrays: `fn` is jattn's flex_attention or its backward."""
+def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, implementation):
+    """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
+    kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
+    backward."""
     score, mask = MODS[mods]
     n_score = 0 if score is None else len(score.captures)
 
     def call(q, k, v, *rest, mask_arrays, capture_arrays, **kwargs):
         score_mod = None if score is None else score.bind(capture_arrays[:n_score])
         mask_mod = None if mask is None else mask.bind(capture_arrays[n_score:])
-        block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod)
+        block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
+                                      kv_only=kv_only)
         return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
                   implementation=implementation, **kwargs)
     return call
@@ -145,7 +165,8 @@ _FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "imp
 
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
 def _flex(q, k, v, mask_arrays, captures, **static):
-    return _flex_call(jattn.flex_attention, **static)(
+    """(out, lse); mask_arrays: the kv-major lists."""
+    return _flex_call(jattn.flex_attention, True, **static)(
         q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=True)
 
 
@@ -157,7 +178,7 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
         d_out = jnp.zeros_like(out)
     if d_lse is None:
         d_lse = jnp.zeros(lse.shape, jnp.float32)
-    dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, **static)(
+    dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, False, **static)(
         q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
         captures=captures)
     learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
@@ -166,10 +187,13 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
 
 
 @functools.cache
-def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int) -> tuple[str, ...]:
+def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int, *,
+                 kv_only: bool = False) -> tuple[str, ...]:
     """Argument names of an op's tensors, for errors: `leading`, then its mask lists (in
-    MASK_FIELDS order), then the tensors its mods close over."""
-    return (*leading, *MASK_FIELDS[:n_masks], *(f"captured tensor {i}" for i in range(n_captures)))
+    MASK_FIELDS order; with kv_only the kv-major ones), then the tensors its mods close
+    over."""
+    fields = kv_major(MASK_FIELDS) if kv_only else MASK_FIELDS
+    return (*leading, *fields[:n_masks], *(f"captured tensor {i}" for i in range(n_captures)))
 
 
 def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa,
@@ -186,9 +210,10 @@ _BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
 
 def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static) -> tuple[jax.Array, ...]:
     """jattn::flex_attention's (out, lse) as JAX arrays."""
-    n, m = len(mask_tensors), len(captures)
-    device, arrays = ready_views("flex_attention", (q, k, v, *mask_tensors, *captures),
-                                 tensor_names(_FORWARD_TENSORS, n, m))
+    lists = kv_major(mask_tensors)
+    n, m = len(lists), len(captures)
+    device, arrays = ready_views("flex_attention", (q, k, v, *lists, *captures),
+                                 tensor_names(_FORWARD_TENSORS, n, m, kv_only=True))
     return _flex(*arrays[:3], arrays[3:3 + n], arrays[3 + n:], **_flex_static(device, *static))
 
 
