@@ -74,19 +74,18 @@ def _jax_device(platform: str, index: int) -> jax.Device:
     raise ValueError(f"JAX sees no {platform} device with index {index}.")
 
 
-def _import(tensor: torch.Tensor) -> jax.Array:
+def _import(tensor: torch.Tensor, device: torch.device) -> jax.Array:
     """The capsule call `jax.dlpack.from_dlpack` wraps (~5 us against its ~70: it also asks for
     a stream JAX then ignores, and host-waits for it on CUDA). On the CPU it copies a tensor
-    whose address XLA finds misaligned."""
+    whose address XLA finds misaligned. device: the tensor's."""
     if _import_capsule is None:
         return jax.dlpack.from_dlpack(tensor)
-    platform = tensor.device.type
-    device = _jax_device(platform, tensor.device.index or 0)
+    jax_device = _jax_device(device.type, device.index or 0)
     capsule = torch.utils.dlpack.to_dlpack(tensor)
     try:
-        return _import_capsule(capsule, device, None, None, _DL_DEVICE_TYPES[platform])
+        return _import_capsule(capsule, jax_device, None, None, _DL_DEVICE_TYPES[device.type])
     except TypeError:  # jaxlib without the device-type argument
-        return _import_capsule(capsule, device, None, None)
+        return _import_capsule(capsule, jax_device, None, None)
 
 
 def _forget(key: int):
@@ -107,14 +106,15 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     if tensor.dtype not in DTYPES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
-    if tensor.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"`{name}` is on {tensor.device}; jattn runs on CPU and CUDA tensors.")
+    device = tensor.device
+    if device.type not in _DL_DEVICE_TYPES:
+        raise ValueError(f"`{name}` is on {device}; jattn runs on CPU and CUDA tensors.")
     # Always a detached alias: a capsule of `tensor` itself would keep its Python object alive
     # (torch preserves it while the C++ tensor is referenced), so the cache would never let go.
     source = tensor.detach()
     if not source.is_contiguous():
         source = source.contiguous()  # the one documented copy
-    array = _import(source)
+    array = _import(source, device)
     if tensor.dtype in _WIDENED and not jax.config.jax_enable_x64:
         array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64
     if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
