@@ -284,29 +284,28 @@ flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_conte
 
 
 class _EagerFlex(torch.autograd.Function):
-    """jattn::flex_attention outside torch.compile; mask and captured tensors come flat so
-    autograd sees the captures. The forward's out and LSE stay JAX arrays for the backward (no
-    crossing back), and the LSE crosses to torch only when the caller asked for it (each
-    crossing costs ~25 us)."""
+    """jattn::flex_attention outside torch.compile; captured tensors come flat so autograd sees
+    them, the mask lists (integers, never differentiated) in a list it does not look into:
+    each tensor argument adds to the Function's per-call cost. The forward's out and LSE stay
+    JAX arrays for the backward (no crossing back), and the LSE crosses to torch only when the
+    caller asked for it (each crossing costs ~25 us)."""
 
     @staticmethod
-    def forward(ctx, static, n_masks, return_lse, q, k, v, *rest):
-        masks, captures = list(rest[:n_masks]), list(rest[n_masks:])
+    def forward(ctx, static, masks, return_lse, q, k, v, *captures):
         out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
         out_tensor = to_torch(out)
-        ctx.save_for_backward(q, k, v, out_tensor, *masks, *captures)  # version checks
-        ctx.arrays, ctx.n_masks, ctx.static = (out, lse), n_masks, static
+        ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
+        ctx.arrays, ctx.masks, ctx.static = (out, lse), masks, static
         return (out_tensor, to_torch(lse)) if return_lse else out_tensor
 
     @staticmethod
     def backward(ctx, d_out, d_lse=None):
-        q, k, v, _, *rest = ctx.saved_tensors
-        masks, captures = rest[:ctx.n_masks], rest[ctx.n_masks:]
-        grads = iter(_flex_backward_op(d_out, d_lse, q, k, v, *ctx.arrays, masks, captures,
+        q, k, v, _, *captures = ctx.saved_tensors
+        grads = iter(_flex_backward_op(d_out, d_lse, q, k, v, *ctx.arrays, ctx.masks, captures,
                                        *ctx.static))
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
-        return None, None, None, dq, dk, dv, *[None] * ctx.n_masks, *d_captures
+        return None, None, None, dq, dk, dv, *d_captures
 
 
 def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
@@ -316,6 +315,6 @@ def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
         out, lse = torch.ops.jattn.flex_attention(q, k, v, masks, captures, *static)
         return (out, lse) if return_lse else out
     if needs_autograd((q, k, v, *captures)):
-        return _EagerFlex.apply(static, len(masks), return_lse, q, k, v, *masks, *captures)
+        return _EagerFlex.apply(static, masks, return_lse, q, k, v, *captures)
     out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
     return (to_torch(out), to_torch(lse)) if return_lse else to_torch(out)
