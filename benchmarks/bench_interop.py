@@ -1,6 +1,6 @@
 """Per-call overhead of the torch ops in `interop.torch`, same run as the direct JAX call.
 
-    python -m benchmarks.bench_interop [--device cuda|cpu] [--json out.json]
+    python -m benchmarks.bench_interop [--device cuda|cpu] [--per-call] [--json out.json]
 
 At a small shape the GPU work is a few microseconds, so the time per call of a long stream of
 back-to-back calls (one synchronisation at the end) is the host-side cost of a call: for the
@@ -144,6 +144,8 @@ def bench_end_to_end(name, B, H, L, D) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--per-call", action="store_true",
+                        help="only the per-call rows (no end-to-end attention timings)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     # Before JAX's backends start: the CPU client reads this when it is created. The first
@@ -163,7 +165,7 @@ def main():
               f"{r['views_us']:.1f} of making the views), training "
               f"{r['interop_training_us']:.1f} ({r['added_training_us']:+.1f}); torch "
               f"{r['torch_us']:.1f} us", flush=True)
-    for name, B, H, L, D in shapes.ATTENTION if args.device == "cuda" else ():
+    for name, B, H, L, D in shapes.ATTENTION if args.device == "cuda" and not args.per_call else ():
         r = bench_end_to_end(name, B, H, L, D)
         rows.append(r)
         print(f"{r['op']} {name}: forward jax {r['fwd_jax_ms']:.3f} ms, op "
