@@ -186,13 +186,18 @@ def wait_for_torch(device: torch.device) -> None:
         raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
 
 
-def to_torch(array: jax.Array) -> torch.Tensor:
+def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tensor:
     """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
-    on torch's current stream waits for the computation that produces it."""
+    on torch's current stream waits for the computation that produces it. device: the array's
+    as a torch device, if the caller has it (saves reading it from the array, ~2 us)."""
     if _export_capsule is None:
         return torch.from_dlpack(array)
-    device = array.device
-    stream = _torch_stream(device.local_hardware_id) if device.platform == "gpu" else None
+    if device is None:
+        jax_device = array.device
+        cuda, index = jax_device.platform == "gpu", jax_device.local_hardware_id
+    else:
+        cuda, index = device.type == "cuda", device.index or 0
+    stream = _torch_stream(index) if cuda else None
     return torch.utils.dlpack.from_dlpack(_export_capsule(array, stream=stream))
 
 

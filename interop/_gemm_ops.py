@@ -120,7 +120,7 @@ def register(spec: GemmOp):
 
     def run_forward(*args) -> Tensor:
         device, arrays = ready_views(spec.name, args[:n], names)
-        return to_torch(forward_jit(*arrays, **static(args, device)))
+        return to_torch(forward_jit(*arrays, **static(args, device)), device)
 
     def run_backward(grad, *args) -> list[Tensor]:
         """[a gradient for each tensor of spec.grads that is not None]"""

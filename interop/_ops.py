@@ -208,22 +208,24 @@ _FORWARD_TENSORS = ("q", "k", "v")
 _BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
 
 
-def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static) -> tuple[jax.Array, ...]:
-    """jattn::flex_attention's (out, lse) as JAX arrays."""
+def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
+    """jattn::flex_attention's (out, lse) as JAX arrays, and the tensors' device."""
     lists = kv_major(mask_tensors)
     n, m = len(lists), len(captures)
     device, arrays = ready_views("flex_attention", (q, k, v, *lists, *captures),
                                  tensor_names(_FORWARD_TENSORS, n, m, kv_only=True))
-    return _flex(*arrays[:3], arrays[3:3 + n], arrays[3 + n:], **_flex_static(device, *static))
+    out, lse = _flex(*arrays[:3], arrays[3:3 + n], arrays[3 + n:],
+                     **_flex_static(device, *static))
+    return out, lse, device
 
 
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
                   captures: list[Tensor], mods: str, block_size: list[int],
                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
                   implementation: Optional[str]) -> tuple[Tensor, Tensor]:
-    out, lse = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods, block_size,
-                                    seq_lengths, scale, enable_gqa, implementation)
-    return to_torch(out), to_torch(lse)
+    out, lse, device = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods, block_size,
+                                            seq_lengths, scale, enable_gqa, implementation)
+    return to_torch(out, device), to_torch(lse, device)
 
 
 def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tensor, k: Tensor,
@@ -292,11 +294,11 @@ class _EagerFlex(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, static, masks, return_lse, q, k, v, *captures):
-        out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
-        out_tensor = to_torch(out)
+        out, lse, device = _flex_forward_arrays(q, k, v, masks, captures, *static)
+        out_tensor = to_torch(out, device)
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
         ctx.arrays, ctx.masks, ctx.static = (out, lse), masks, static
-        return (out_tensor, to_torch(lse)) if return_lse else out_tensor
+        return (out_tensor, to_torch(lse, device)) if return_lse else out_tensor
 
     @staticmethod
     def backward(ctx, d_out, d_lse=None):
@@ -316,5 +318,6 @@ def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
         return (out, lse) if return_lse else out
     if needs_autograd((q, k, v, *captures)):
         return _EagerFlex.apply(static, masks, return_lse, q, k, v, *captures)
-    out, lse = _flex_forward_arrays(q, k, v, masks, captures, *static)
-    return (to_torch(out), to_torch(lse)) if return_lse else to_torch(out)
+    out, lse, device = _flex_forward_arrays(q, k, v, masks, captures, *static)
+    out = to_torch(out, device)
+    return (out, to_torch(lse, device)) if return_lse else out
