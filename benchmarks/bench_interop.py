@@ -3,7 +3,8 @@
     python -m benchmarks.bench_interop [--device cuda|cpu] [--per-call] [--json out.json]
 
 At a small shape the GPU work is a few microseconds, so the time per call of a long stream of
-back-to-back calls (one synchronisation at the end) is the host-side cost of a call: for the
+back-to-back calls (one synchronisation at the end) is the host-side cost of a call (median of
+7 rounds in which the columns take turns): for the
 direct call, jit dispatch of the jitted jattn function on JAX arrays; for the torch op, that plus
 the DLPack crossings and the Python around them. Added overhead = torch op - direct JAX call.
 Target (issue 4): <= 50 us per call. Columns: "same tensors" passes the same torch tensors
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import jax
@@ -41,18 +43,23 @@ SHAPES = {"cuda": {"matmul": (128, 256), "flex": (256, 1024), "head_dim": 64,
                   "dtype": torch.float32}}
 
 
-def _per_call_seconds(fn, wait) -> float:
-    for _ in range(50):  # warm-up: compile, caches
-        fn()
-    wait()
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            out = fn()
-        wait(out)
-        best = min(best, (time.perf_counter() - start) / CALLS)
-    return best
+def _per_call_seconds(columns: dict, rounds: int = 7) -> dict:
+    """Median over `rounds` of the seconds per call of each column's fn in CALLS back-to-back
+    calls: {name: (fn, wait)} -> {name: seconds}. The columns take turns within each round, so
+    a drift of the host (clock, neighbours) between columns does not become a difference."""
+    for fn, wait in columns.values():
+        for _ in range(50):  # warm-up: compile, caches
+            fn()
+        wait()
+    samples = {name: [] for name in columns}
+    for _ in range(rounds):
+        for name, (fn, wait) in columns.items():
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                out = fn()
+            wait(out)
+            samples[name].append((time.perf_counter() - start) / CALLS)
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,14 +79,13 @@ def _timed_row(op: str, shape: str, device: str, direct, interop_call, torch_cal
     else:  # synchronous dispatch (main)
         wait = wait_jax = lambda *_: None  # noqa: E731
     trained = first.detach().requires_grad_()
-    row = {"op": op, "shape": shape,
-           "jax_us": _per_call_seconds(direct, wait_jax),
-           "interop_us": _per_call_seconds(lambda: interop_call(first, *rest), wait),
-           "interop_fresh_us": _per_call_seconds(
-               lambda: interop_call(_fresh(first), *map(_fresh, rest)), wait),
-           "interop_training_us": _per_call_seconds(lambda: interop_call(trained, *rest), wait),
-           "views_us": _per_call_seconds(lambda: (_fresh(first), *map(_fresh, rest)), wait),
-           "torch_us": _per_call_seconds(torch_call, wait)}
+    row = {"op": op, "shape": shape, **_per_call_seconds({
+        "jax_us": (direct, wait_jax),
+        "interop_us": (lambda: interop_call(first, *rest), wait),
+        "interop_fresh_us": (lambda: interop_call(_fresh(first), *map(_fresh, rest)), wait),
+        "interop_training_us": (lambda: interop_call(trained, *rest), wait),
+        "views_us": (lambda: (_fresh(first), *map(_fresh, rest)), wait),
+        "torch_us": (torch_call, wait)})}
     row = {k: v * 1e6 if k.endswith("_us") else v for k, v in row.items()}
     for column in ("", "_fresh", "_training"):
         row[f"added{column}_us"] = row[f"interop{column}_us"] - row["jax_us"]
