@@ -123,7 +123,7 @@ def _check_pages(table: Tensor, lengths: Tensor, page_size: int, num_pages: int)
 # ------------------------------------------------------------------------------------------------
 
 _STATIC = ("mods", "block_size", "seq_lengths", "scale", "implementation")
-_TENSORS = ("q", "k", "v", "page_table", "kv_len")  # then the mask lists, then the captures
+_TENSORS = ("q", "k", "v", "page_table", "kv_len")  # before the mask lists and captures
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -151,10 +151,9 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     """jattn::flex_decode. k, v: a contiguous cache, or with page_table [B, max_pages] int32 the
     pools of a paged one; kv_len: None or int [] / [B]. Returns out [B, Hq, Lq, Ev] (q's dtype)
     and the float32 LSE [B, Hq, Lq]."""
-    lists = _ops.kv_major(mask_tensors)  # all the decode kernel reads
-    n, m = len(lists), len(captures)
-    device, arrays = _ops.ready_views(_FN, (q, k, v, page_table, kv_len, *lists, *captures),
-                                      _ops.tensor_names(_TENSORS, n, m, kv_only=True))
+    device, leading, lists, capture_arrays = _ops.ready_op_views(
+        _FN, _TENSORS, (q, k, v, page_table, kv_len), _ops.kv_major(mask_tensors), captures,
+        kv_only=True)  # the kv-major lists: all the decode kernel reads
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])
     if device.type == "cpu":  # CUDA values are not read back (module docstring)
@@ -163,11 +162,10 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
         else:
             S, page_size, num_pages = page_table.shape[1] * k.shape[2], k.shape[2], k.shape[1]
         _check_cpu_lengths(kv_len, page_table, q.shape[0], S, page_size, num_pages)
-    first = len(_TENSORS)
-    out, lse = _decode(*arrays[:first], arrays[first:first + n], arrays[first + n:], mods=mods,
+    out, lse = _decode(*leading, lists, capture_arrays, mods=mods,
                        block_size=tuple(block_size), seq_lengths=tuple(seq_lengths), scale=scale,
                        implementation=_ops.implementation_for(_FN, device, implementation))
-    return to_torch(out), to_torch(lse)
+    return to_torch(out, device), to_torch(lse, device)
 
 
 flex_decode_op = torch.library.custom_op("jattn::flex_decode", mutates_args=())(_decode_forward)

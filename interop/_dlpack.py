@@ -189,7 +189,7 @@ def wait_for_torch(device: torch.device) -> None:
 def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tensor:
     """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
     on torch's current stream waits for the computation that produces it. device: the array's
-    as a torch device, if the caller has it (saves reading it from the array, ~2 us)."""
+    as a torch device, which the ops pass (reading it from the array costs ~2 us)."""
     if _export_capsule is None:
         return torch.from_dlpack(array)
     if device is None:

@@ -128,7 +128,7 @@ def register(spec: GemmOp):
             raise NotImplementedError(spec.no_gradient)
         device, arrays = ready_views(spec.name, (grad, *args[:n]), ("grad", *names))
         grads = vjp_jit(*arrays, **static(args, device))
-        return [to_torch(g) for g in grads if g is not None]
+        return [to_torch(g, device) for g in grads if g is not None]
 
     def backward_fake(grad, *args):
         return [torch.empty_like(t) for name, t in zip(names, args[:n])
@@ -236,6 +236,6 @@ def _quantize(w, *, bits, group_size):
 
 def quantize_weight(w: Tensor, bits: int, group_size: Optional[int]) -> tuple[Tensor, Tensor]:
     """jattn.quantize_weight on a torch weight: (qweight, scales) on w's device."""
-    _, (array,) = ready_views("quantize_weight", (w,), ("w",))  # after torch's writes to w
+    device, (array,) = ready_views("quantize_weight", (w,), ("w",))  # after torch's writes
     qweight, scales = _quantize(array, bits=bits, group_size=group_size)
-    return to_torch(qweight), to_torch(scales)
+    return to_torch(qweight, device), to_torch(scales, device)

@@ -196,6 +196,17 @@ def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int, *,
     return (*leading, *fields[:n_masks], *(f"captured tensor {i}" for i in range(n_captures)))
 
 
+def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Sequence,
+                   captures: Sequence, *, kv_only: bool = False):
+    """`ready_views` of an op's tensors in its three groups: (device, the `leading` tensors'
+    views (names: theirs), the mask lists' (with kv_only the kv-major ones), the captured
+    tensors')."""
+    device, arrays = ready_views(fn, (*leading, *lists, *captures),
+                                 tensor_names(names, len(lists), len(captures), kv_only=kv_only))
+    first, n = len(leading), len(lists)
+    return device, arrays[:first], arrays[first:first + n], arrays[first + n:]
+
+
 def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa,
                  implementation) -> dict:
     """The static jit arguments of a flex op call on tensors on `device`."""
@@ -210,12 +221,10 @@ _BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
 
 def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
     """jattn::flex_attention's (out, lse) as JAX arrays, and the tensors' device."""
-    lists = kv_major(mask_tensors)
-    n, m = len(lists), len(captures)
-    device, arrays = ready_views("flex_attention", (q, k, v, *lists, *captures),
-                                 tensor_names(_FORWARD_TENSORS, n, m, kv_only=True))
-    out, lse = _flex(*arrays[:3], arrays[3:3 + n], arrays[3 + n:],
-                     **_flex_static(device, *static))
+    device, qkv, lists, capture_arrays = ready_op_views(
+        "flex_attention", _FORWARD_TENSORS, (q, k, v), kv_major(mask_tensors), captures,
+        kv_only=True)
+    out, lse = _flex(*qkv, lists, capture_arrays, **_flex_static(device, *static))
     return out, lse, device
 
 
@@ -235,14 +244,13 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
                       scale: Optional[float], enable_gqa: bool,
                       implementation: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
-    n, m, first = len(mask_tensors), len(captures), len(_BACKWARD_TENSORS)
-    device, arrays = ready_views(
-        "flex_attention", (d_out, d_lse, q, k, v, out, lse, *mask_tensors, *captures),
-        tensor_names(_BACKWARD_TENSORS, n, m))
-    grads = _flex_backward(*arrays[:first], arrays[first:first + n], arrays[first + n:],
+    device, leading, lists, capture_arrays = ready_op_views(
+        "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
+        captures)
+    grads = _flex_backward(*leading, lists, capture_arrays,
                            **_flex_static(device, mods, block_size, seq_lengths, scale,
                                           enable_gqa, implementation))
-    return [to_torch(g) for g in grads]
+    return [to_torch(g, device) for g in grads]
 
 
 flex_attention = torch.library.custom_op("jattn::flex_attention", mutates_args=())(

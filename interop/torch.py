@@ -189,7 +189,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         [_dlpack.to_jax(t, "captured tensor") for t in captured])
     with jax.default_device(jax.devices(platform)[device.index or 0]):
         mask = jattn.create_block_mask(jax_mask_mod, B, H, Q_LEN, KV_LEN, block_size=block_size)
-    lists = [None if x is None else _dlpack.to_torch(x) for x in (
+    lists = [None if x is None else _dlpack.to_torch(x, device) for x in (
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]
     return _torch_flex().BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
