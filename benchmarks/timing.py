@@ -10,7 +10,6 @@ a small share of it however few input sets fit in memory.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -64,8 +63,7 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[Sequence[Any]], *,
 
     synchronize = lambda _: torch.cuda.synchronize()  # noqa: E731
     if not graph:
-        rotation = itertools.cycle(arg_sets)
-        run_pass = lambda: [fn(*next(rotation)) for _ in arg_sets]  # noqa: E731
+        run_pass = lambda: [fn(*args) for args in arg_sets]  # noqa: E731
         calls = _passes_per_sample(run_pass, synchronize)
         return median_seconds(run_pass, calls=calls, samples=7, wait=synchronize) / len(arg_sets)
     stream = torch.cuda.Stream()

@@ -152,7 +152,7 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
     pools of a paged one; kv_len: None or int [] / [B]. Returns out [B, Hq, Lq, Ev] (q's dtype)
     and the float32 LSE [B, Hq, Lq]."""
     device, leading, lists, capture_arrays = _ops.ready_op_views(
-        _FN, _TENSORS, (q, k, v, page_table, kv_len), _ops.kv_major(mask_tensors), captures,
+        _FN, _TENSORS, (q, k, v, page_table, kv_len), mask_tensors, captures,
         kv_only=True)  # the kv-major lists: all the decode kernel reads
     _check_ranks(q, k, v, page_table)
     _check_kv_len(kv_len, q.shape[0])

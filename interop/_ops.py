@@ -199,8 +199,10 @@ def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int, *,
 def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Sequence,
                    captures: Sequence, *, kv_only: bool = False):
     """`ready_views` of an op's tensors in its three groups: (device, the `leading` tensors'
-    views (names: theirs), the mask lists' (with kv_only the kv-major ones), the captured
-    tensors')."""
+    views (names: theirs), the mask lists' (all in MASK_FIELDS order; with kv_only only the
+    kv-major ones are taken), the captured tensors')."""
+    if kv_only:
+        lists = kv_major(lists)
     device, arrays = ready_views(fn, (*leading, *lists, *captures),
                                  tensor_names(names, len(lists), len(captures), kv_only=kv_only))
     first, n = len(leading), len(lists)
@@ -222,7 +224,7 @@ _BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
 def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
     """jattn::flex_attention's (out, lse) as JAX arrays, and the tensors' device."""
     device, qkv, lists, capture_arrays = ready_op_views(
-        "flex_attention", _FORWARD_TENSORS, (q, k, v), kv_major(mask_tensors), captures,
+        "flex_attention", _FORWARD_TENSORS, (q, k, v), mask_tensors, captures,
         kv_only=True)
     out, lse = _flex(*qkv, lists, capture_arrays, **_flex_static(device, *static))
     return out, lse, device
