@@ -22,10 +22,12 @@ from jattn._src.tuning.autotune import median_seconds
 L2_BYTES = 50 * 2**20  # H100
 MIN_COPIES = 32            # calls per timed pass, to amortise a dispatch (~40 us from Python)
 MAX_INPUT_BYTES = 4 * 2**30
-# Session 8 (H100, flex decode B8/32k, 4 input sets of ~365 us calls), same process: 3 passes
-# per sample read 2696 GB/s, 20 ms samples 2876; the first pass's launch and the final wait were
-# charged to only 12 calls. Torch flex decoding (~1.1 ms per call) moved 961 -> 967.
-MIN_SAMPLE_SECONDS = 0.02
+# A sample also pays a fixed host cost: dispatching its first pass and waking up after the
+# last. Session 9 (H100, flex decode B8/32k, passes of 4 calls): the GPU ran 356 us per call
+# back to back, while a sample of one JAX pass read 459-574 us per call, 14 passes (20 ms)
+# 364-369 and 40 passes 360, ~0.5 ms fixed per sample; a CUDA-graph replay pays far less.
+# 100 ms samples keep that cost under ~0.6% on either side.
+MIN_SAMPLE_SECONDS = 0.1
 
 
 def input_copies(bytes_per_input_set: int) -> int:

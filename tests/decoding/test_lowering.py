@@ -29,7 +29,8 @@ def test_contiguous_gqa_decode_lowers(as_if_on_gpu):
 
     args = (_spec(2, 32, 1, 128), _spec(2, 8, 4096, 128), _spec(2, 8, 4096, 128),
             _spec(2, dtype=jnp.int32))
-    assert "jattn_flex_decode" in lower_for_cuda(decode, *args)
+    text = lower_for_cuda(decode, *args)
+    assert "jattn_flex_decode" in text and "jattn_flex_decode_combine" in text
 
 
 def test_paged_masked_decode_with_mods_lowers(as_if_on_gpu):

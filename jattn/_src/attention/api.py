@@ -296,7 +296,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                 B=B, Hq=Hq, Hkv=Hkv, Lq=L, S=S, E=E, Ev=Ev, kv_batch=Bk, page_size=None,
                 num_pages=None, block_mask=None if dense else block_mask, score_mod=score_mod,
                 mask_mod=mask_mod, score_set=score_set, mask_set=mask_set, static_length=True,
-                scale=scale, implementation=implementation, config=None)
+                queries_last=False, scale=scale, implementation=implementation, config=None)
     problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                       mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                       mask_block=block_mask.block_size, scale=scale,

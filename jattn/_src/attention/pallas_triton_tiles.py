@@ -111,6 +111,14 @@ def store_tile(ref, index, value, row0, length: int, dim: int):
     store(ref, (*index, slice(None)), value, mask)
 
 
+def store_vector(ref, index, value, row0, length: int):
+    """Stores a [rows] vector at ref[*index] whose first element is row `row0` of `length`,
+    skipping elements past the length."""
+    rows = value.shape[0]
+    mask = bounds(row0, rows, length, 0) if length % rows else None
+    store(ref, tuple(index), value, None if mask is None else mask[:, 0])
+
+
 def deferred_scale(p: Problem, mods: Mods) -> float:
     """The part of the score scale a softmax may apply late: all of it when there is no
     score_mod and it is positive (a positive factor commutes with the row max and folds into

@@ -188,14 +188,16 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     scale = float(E ** -0.5 if scale is None else scale)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
-    kv_len = (np if static_length else jnp).clip(kv_len, 0, S)
-    q_start = kv_len - Lq
 
     if implementation == "xla" or Lq > MAX_DECODE_QUERIES:
         k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
-        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, jnp.asarray(q_start),
-                               jnp.asarray(kv_len), scale=scale, implementation=implementation)
+        kv_len = jnp.clip(kv_len, 0, S)
+        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
+                               scale=scale, implementation=implementation)
+        if bad is not None:
+            out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
+            lse = jnp.where(bad[:, None, None], jnp.nan, lse)
     else:
         score_set, mask_set = CaptureSet(), CaptureSet()
         mask_mod = None if block_mask is None else block_mask.mask_mod
@@ -204,17 +206,17 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
             page_size=page_size, num_pages=num_pages, block_mask=block_mask,
             score_mod=None if score_mod is None else checked_score_mod(score_mod),
             mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod),
-            score_set=score_set, mask_set=mask_set, static_length=static_length, scale=scale,
-            implementation=implementation, config=config)
+            score_set=score_set, mask_set=mask_set, static_length=static_length,
+            queries_last=True, scale=scale, implementation=implementation, config=config)
         if cache is not None:
             k, v, table = cache.k_pages, cache.v_pages, cache.page_table
         else:
             table = None
         q, k, v, score_caps = _no_gradient((q, k, v, tuple(score_set.captures)))
         lists = [] if block_mask is None else kv_lists(vars(block_mask))
-        out, lse = pallas_triton.forward(problem, q, k, v, q_start, kv_len, table, lists,
-                                         score_caps, tuple(mask_set.captures))
-    if bad is not None:
-        out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
-        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+        # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
+        # jit each XLA op here would be a kernel launch of its own per call.
+        out, lse = pallas_triton.forward(problem, q, k, v, None if static_length else kv_len,
+                                         table, lists, score_caps, tuple(mask_set.captures),
+                                         bad=bad)
     return (out, lse) if return_lse else out

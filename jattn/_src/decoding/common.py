@@ -1,4 +1,4 @@
-"""What every flex decoding implementation shares: the static problem and the split combine."""
+"""What every flex decoding implementation shares: the static problem and the block lists."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src.attention.common import Mods
-from jattn._src.constants import LOG2_E
 from jattn._src.decoding.config import (DecodeConfig, choose_num_splits, heuristic_config,
                                         heuristic_stages)
 from jattn._src.gemm.config import NUM_SMS
@@ -50,6 +49,7 @@ class DecodeProblem:
     heads_per_tile: int
     block_m: int
     static_length: bool
+    queries_last: bool
     has_mask: bool
     has_full_lists: bool
     mask_batch: int
@@ -97,7 +97,8 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
                  page_size: int | None, num_pages: int | None, block_mask: BlockMask | None,
                  score_mod: Callable | None, mask_mod: Callable | None,
                  score_set: CaptureSet | None, mask_set: CaptureSet | None, static_length: bool,
-                 scale: float, implementation: str, config: DecodeConfig | None) -> DecodeProblem:
+                 queries_last: bool, scale: float, implementation: str,
+                 config: DecodeConfig | None) -> DecodeProblem:
     """The kernel's DecodeProblem. score_mod/mask_mod (None: absent) come wrapped by the
     attention checks; their captured arrays are added to score_set/mask_set."""
     mask_block = block_mask.block_size[1] if block_mask is not None else None
@@ -129,7 +130,7 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
     return DecodeProblem(
         B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch, page_size=page_size,
         num_pages=num_pages, heads_per_tile=heads_per_tile, block_m=block_m,
-        static_length=static_length, has_mask=has_mask,
+        static_length=static_length, queries_last=queries_last, has_mask=has_mask,
         has_full_lists=has_mask and block_mask.full_kv_num_blocks is not None,
         mask_batch=block_mask.shape[0] if has_mask else 1,
         mask_heads=block_mask.shape[1] if has_mask else 1,
@@ -144,32 +145,3 @@ def kv_lists(masks: dict[str, jax.Array]) -> list[jax.Array]:
     if masks.get("full_kv_num_blocks") is not None:
         names += ["full_kv_num_blocks", "full_kv_indices"]
     return [jnp.asarray(masks[name], jnp.int32) for name in names]
-
-
-def _chain(op, x: jax.Array) -> jax.Array:
-    """op folded over axis 0 as a fixed chain of element-wise ops. For sums: a reduction's
-    order may differ between two XLA programs on the GPU, which would break paged ==
-    contiguous bit for bit. For both: with no reduction in it, the whole merge is element-wise
-    and XLA fuses it into one kernel."""
-    total = x[0]
-    for i in range(1, x.shape[0]):
-        total = op(total, x[i])
-    return total
-
-
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Merges per-split softmax partials along axis 0 (XLA; a few fused element-wise passes).
-
-    acc [splits, ..., Ev]: unnormalised sums of p·v; m [splits, ...]: running maxima in base-2
-    logits; l [splits, ...]: sums of p. Returns (out [..., Ev] float32, lse [...] natural log);
-    rows no split saw give 0 and -inf. A split that saw nothing has m = MASK_VALUE (finite) and
-    l = 0, so its weight is 0 next to any real maximum and no inf - inf arises.
-    """
-    m_max = _chain(jnp.maximum, m)
-    weight = jnp.exp2(m - m_max)
-    l_sum = _chain(jnp.add, weight * l)
-    acc_sum = _chain(jnp.add, weight[..., None] * acc)
-    l_safe = jnp.where(l_sum == 0, 1.0, l_sum)
-    out = acc_sum / l_safe[..., None]
-    lse = jnp.where(l_sum == 0, -jnp.inf, (m_max + jnp.log2(l_safe)) / LOG2_E)
-    return out, lse

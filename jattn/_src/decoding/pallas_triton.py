@@ -4,7 +4,7 @@ Grid: (splits, B·Hkv·head tiles). A program holds the queries of `heads_per_ti
 that share one kv head — heads x Lq rows packed into one [block_m, E] tile, so K and V are read
 once for the whole group — and streams its share of that kv head's keys in [block_k, E] tiles,
 keeping an online softmax in base 2. It writes unnormalised float32 partials (acc, m, l) of its
-key range; XLA merges the splits (`combine_splits`).
+key range; a second kernel merges the splits of each query row (`_combine_kernel`).
 
 Key ranges. Without a BlockMask the tiles below kv_len[b] are cut into `splits` equal runs
 (splits past the length do nothing); only the last tile needs a length mask. With a BlockMask
@@ -22,13 +22,10 @@ Performance model (H100, Hq 32, Hkv 8, D 128, bf16, Lq 1; bytes = K + V read onc
 streams 64x128 K and V tiles (16 KiB each); 3 pipeline stages keep two steps (64 KiB) in flight
 and two programs share an SM, ~128 KiB per SM, several times what Little's law needs at
 3.35 TB/s and ~1 us of latency. The math per step (a 16x128x64 and a 16x64x128 dot, 1024 exp2)
-hides under the loads. Predicted, before any GPU run: B8/32k (512 programs of 64 tiles)
-2.5-2.8 TB/s; B1/128k (264 programs of 62 tiles) 2.4-2.7 TB/s, of which the XLA combine and
-the launch take ~5-10 us of ~190 us; B1/8k (128 programs of 8 tiles, 33 MB) launch-bound near
-1-1.5 TB/s. The risk is the pipeliner: if Triton does not keep both loads in flight, a
-program waits one full latency per step and the rate falls towards 1 TB/s. Measured (session 4
-sweep at B8/32k): 3 stages 2672 GB/s, 4 stages 2874 (the default since), 128-row tiles
-2834-2853; other split counts than the heuristic's 8 were slower (2608-2718).
+hides under the loads. Measured on the H100 (session 9, B8/32k): 351-354 us per call in the
+kernel (DRAM 90-91% of peak, cuDNN's split-KV kernel 350 us) and 2.3-3.4 us in the merge; 3.0
+TB/s in the benchmark. Tile, stage and split sweeps (sessions 4-9) found nothing more than ~1%
+above the defaults (64-row tiles, 4 warps, 4 stages when a split streams >= 48 tiles).
 """
 
 from __future__ import annotations
@@ -37,15 +34,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.constants import LOG2_E, MASK_VALUE
-from jattn._src.decoding.common import DecodeProblem, combine_splits, kv_lists
+from jattn._src.decoding.common import DecodeProblem, kv_lists
 from jattn._src.pallas_triton_compile import compiler_params
 from jattn._src.pallas_triton_lookup import call_in_kernel
+
+
+# A merge program holds a [splits, Ev] float32 tile (splits padded to a power of two): 4 warps
+# up to this many elements (64 registers a thread), 8 above.
+COMBINE_TILE_PER_4_WARPS = 64 * 128
 
 
 def _i32(x: int):
@@ -61,10 +62,10 @@ def _share(count, split, splits: int):
 
 
 def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
-    q_ref, k_ref, v_ref, q_start_ref, kv_len_ref = refs[:5]
-    rest = refs[5:-3]
-    table_ref = rest[0] if p.paged else None
-    rest = rest[1:] if p.paged else rest
+    q_ref, k_ref, v_ref = refs[:3]
+    rest = list(refs[3:-3])
+    kv_len_ref = None if p.static_length else rest.pop(0)
+    table_ref = rest.pop(0) if p.paged else None
     list_refs, score_refs = rest[:n_lists], rest[n_lists:n_lists + n_score]
     mask_refs = rest[n_lists + n_score:]
     acc_ref, m_ref, l_ref = refs[-3:]
@@ -77,9 +78,9 @@ def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
     first_head = (program % per_batch) * p.heads_per_tile
     row = lax.broadcasted_iota(jnp.int32, (rows_m, 1), 0)
     h = first_head + lax.div(row, _i32(p.Lq))                      # [M, 1] query head
-    q_start, kv_len = q_start_ref[b], kv_len_ref[b]
+    limit = p.S if p.static_length else jnp.clip(kv_len_ref[b], 0, p.S)  # keys of sequence b
+    q_start = limit - p.Lq if p.queries_last else 0
     pos = q_start + lax.rem(row, _i32(p.Lq))                       # [M, 1] query position
-    limit = p.S if p.static_length else kv_len
     q_tile = tiles.load_tile(q_ref, (slice(None),), 0, rows_m, p.rows, p.E)
 
     deferred = tiles.deferred_scale(p, p.mods)
@@ -128,8 +129,8 @@ def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
         if p.static_length:
             n_tiles, whole_tiles = tiles.cdiv(p.S, bk), p.S // bk
         else:
-            n_tiles = lax.div(kv_len + _i32(bk - 1), _i32(bk))
-            whole_tiles = lax.div(kv_len, _i32(bk))
+            n_tiles = lax.div(limit + _i32(bk - 1), _i32(bk))
+            whole_tiles = lax.div(limit, _i32(bk))
         lo, hi = _share(n_tiles, split, splits)
         mid = jnp.clip(whole_tiles, lo, hi)
         for first, last, masked in ((lo, mid, False), (mid, hi, True)):
@@ -174,24 +175,61 @@ def _decode_kernel(*refs, p: DecodeProblem, n_lists: int, n_score: int):
                                   jnp.clip(hi - offset, 0, count), body, carry)
             offset = offset + count
 
-    # ---- unnormalised partials of this split ----------------------------------------------------
+    # ---- unnormalised partials of this split, real rows only -----------------------------------
     m_i, l_i, acc = carry
-    acc_ref[...] = acc
-    m_ref[...] = m_i
-    l_ref[...] = l_i
+    tiles.store_tile(acc_ref, (slice(None),), acc, 0, p.rows, p.Ev)
+    tiles.store_vector(m_ref, (slice(None),), m_i, 0, p.rows)
+    tiles.store_vector(l_ref, (slice(None),), l_i, 0, p.rows)
 
 
-def forward(p: DecodeProblem, q, k, v, q_start, kv_len, page_table, lists, score_caps,
-            mask_caps):
+def _combine_kernel(*refs, p: DecodeProblem, has_bad: bool):
+    """Merges the splits of one query row: out = Σ 2^(m_s - m) acc_s / Σ 2^(m_s - m) l_s.
+
+    A split that saw nothing has m = MASK_VALUE (finite) and l = 0, so its weight is 0 next to
+    any real maximum and no inf - inf arises; a row no split saw gives 0 and LSE -inf. Rows of
+    a sequence flagged in `bad` come out NaN.
+    """
+    acc_ref, m_ref, l_ref = refs[:3]
+    bad_ref = refs[3] if has_bad else None
+    out_ref, lse_ref = refs[-2:]
+    splits = p.config.num_splits
+    rows_s = tiles.padded(splits)
+    acc = tiles.load_tile(acc_ref, (slice(None),), 0, rows_s, splits, p.Ev)  # [splits, Ev]
+    m = tiles.load_vector(m_ref, (slice(None),), 0, rows_s, splits)
+    l = tiles.load_vector(l_ref, (slice(None),), 0, rows_s, splits)     # 0 past the splits
+    if rows_s != splits:
+        m = jnp.where(lax.broadcasted_iota(jnp.int32, (rows_s,), 0) < splits, m, MASK_VALUE)
+    m_max = m.max()
+    weight = jnp.exp2(m - m_max)
+    l_sum = (weight * l).sum()
+    l_safe = jnp.where(l_sum == 0, 1.0, l_sum)
+    out = (weight[:, None] * acc).sum(axis=0) / l_safe
+    lse = jnp.where(l_sum == 0, -jnp.inf, (m_max + jnp.log2(l_safe)) / LOG2_E)
+    if has_bad:
+        row_is_bad = bad_ref[pl.program_id(0) // (p.Hq * p.Lq)] != 0
+        out = jnp.where(row_is_bad, jnp.nan, out)
+        lse = jnp.where(row_is_bad, jnp.nan, lse)
+    tiles.store_vector(out_ref, (slice(None),), out.astype(out_ref.dtype), 0, p.Ev)
+    lse_ref[...] = lse
+
+
+def forward(p: DecodeProblem, q, k, v, kv_len, page_table, lists, score_caps, mask_caps, *,
+            bad=None):
     """(out [B, Hq, Lq, Ev] of q's dtype, lse [B, Hq, Lq] float32 natural log).
 
     k, v: contiguous [kv_batch, Hkv, S, E|Ev], or page pools [Hkv, pages, page_size, E|Ev] with
-    page_table [B, S / page_size]. q_start, kv_len: int32 [B]. lists: the BlockMask's kv-major
-    lists (partial, then full if any) or empty.
+    page_table [B, S / page_size]. kv_len: int32 [B] (clipped to [0, S] here), None when
+    p.static_length. lists: the BlockMask's kv-major lists (partial, then full if any) or empty.
+    bad: bool [B] or None: sequences whose rows come out NaN.
+
+    Two launches: the split-KV kernel writes float32 partials of the real rows, then one
+    program per query row merges its splits (one kernel: XLA ran the merge as two, and every
+    launch is ~1% of a B8/32k call).
     """
     rows_m, splits, bk = p.block_m, p.config.num_splits, p.config.block_k
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     per_batch = p.Hkv * p.head_tiles
+    programs = p.programs
     q_rows = q.reshape(p.B, per_batch, p.rows, p.E)  # heads x queries of a program, contiguous
 
     def q_index(split, program):
@@ -216,34 +254,53 @@ def forward(p: DecodeProblem, q, k, v, q_start, kv_len, page_table, lists, score
 
         kv_specs = [pl.BlockSpec((None, None, span, pad), kv_index) for pad in (e_pad, ev_pad)]
         extra = []
-    inputs = [q_start, kv_len, *extra, *lists, *score_caps, *mask_caps]
+    lengths = [] if p.static_length else [kv_len]
+    inputs = [*lengths, *extra, *lists, *score_caps, *mask_caps]
     kernel = functools.partial(_decode_kernel, p=p, n_lists=len(lists), n_score=len(score_caps))
-    programs = p.programs
+    # Partials [programs, rows, splits, ...]: the splits of a query row are contiguous for the
+    # merge; a program writes its real rows of one split (row stride splits x Ev).
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(splits, programs),
         in_specs=[pl.BlockSpec((None, None, rows_m, e_pad), q_index), *kv_specs,
                   *[tiles.whole(x) for x in inputs]],
-        out_specs=[pl.BlockSpec((None, None, rows_m, ev_pad), lambda s, pr: (s, pr, 0, 0)),
-                   pl.BlockSpec((None, None, rows_m), lambda s, pr: (s, pr, 0)),
-                   pl.BlockSpec((None, None, rows_m), lambda s, pr: (s, pr, 0))],
-        out_shape=[jax.ShapeDtypeStruct((splits, programs, rows_m, ev_pad), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, programs, rows_m), jnp.float32),
-                   jax.ShapeDtypeStruct((splits, programs, rows_m), jnp.float32)],
+        out_specs=[pl.BlockSpec((None, rows_m, None, ev_pad), lambda s, pr: (pr, 0, s, 0)),
+                   pl.BlockSpec((None, rows_m, None), lambda s, pr: (pr, 0, s)),
+                   pl.BlockSpec((None, rows_m, None), lambda s, pr: (pr, 0, s))],
+        out_shape=[jax.ShapeDtypeStruct((programs, p.rows, splits, p.Ev), jnp.float32),
+                   jax.ShapeDtypeStruct((programs, p.rows, splits), jnp.float32),
+                   jax.ShapeDtypeStruct((programs, p.rows, splits), jnp.float32)],
         compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
                                         compiler=p.config.compiler),
         interpret=p.implementation == "interpret",
         name="jattn_flex_decode",
     )(q_rows, k, v, *inputs)
-    # Padding rows and columns are dropped before the merge, which then reads only real ones.
-    out, lse = combine_splits(acc[:, :, :p.rows, :p.Ev], m[:, :, :p.rows], l[:, :, :p.rows])
-    return (out.reshape(p.B, p.Hq, p.Lq, p.Ev).astype(q.dtype),
-            lse.reshape(p.B, p.Hq, p.Lq))
+
+    query_rows = programs * p.rows  # = B·Hq·Lq, in q's order
+    rows_s = tiles.padded(splits)
+    bad_inputs = [] if bad is None else [jnp.asarray(bad).astype(jnp.int32)]
+    out, lse = pl.pallas_call(
+        functools.partial(_combine_kernel, p=p, has_bad=bad is not None),
+        grid=(query_rows,),
+        in_specs=[pl.BlockSpec((None, rows_s, ev_pad), lambda r: (r, 0, 0)),
+                  pl.BlockSpec((None, rows_s), lambda r: (r, 0)),
+                  pl.BlockSpec((None, rows_s), lambda r: (r, 0)),
+                  *[tiles.whole(x) for x in bad_inputs]],
+        out_specs=[pl.BlockSpec((None, ev_pad), lambda r: (r, 0)),
+                   pl.BlockSpec((None,), lambda r: (r,))],
+        out_shape=[jax.ShapeDtypeStruct((query_rows, p.Ev), q.dtype),
+                   jax.ShapeDtypeStruct((query_rows,), jnp.float32)],
+        compiler_params=compiler_params(4 if rows_s * ev_pad <= COMBINE_TILE_PER_4_WARPS else 8,
+                                        1, compiler=p.config.compiler),
+        interpret=p.implementation == "interpret",
+        name="jattn_flex_decode_combine",
+    )(acc.reshape(query_rows, splits, p.Ev), m.reshape(query_rows, splits),
+      l.reshape(query_rows, splits), *bad_inputs)
+    return out.reshape(p.B, p.Hq, p.Lq, p.Ev), lse.reshape(p.B, p.Hq, p.Lq)
 
 
 def attention_forward(p: DecodeProblem, q, k, v, masks, score_caps, mask_caps):
     """flex_attention's forward on this kernel (few queries): queries at positions 0..L-1, every
     key of k/v; masks: the BlockMask fields (kv-major lists used). (out, lse) as forward."""
     lists = kv_lists(masks) if p.has_mask else []
-    return forward(p, q, k, v, np.zeros((p.B,), np.int32), np.full((p.B,), p.S, np.int32),
-                   None, lists, score_caps, mask_caps)
+    return forward(p, q, k, v, None, None, lists, score_caps, mask_caps)
