@@ -27,9 +27,10 @@ class DecodeProblem:
 
     q [B, Hq, Lq, E]; keys are read at logical positions 0..S-1 of each sequence, either from a
     contiguous k [kv_batch, Hkv, S, E] or through a page table from a pool of `num_pages` pages
-    of `page_size` positions (S = page-table width x page_size). Query i of sequence b sits at
-    position q_start[b] + i and attends to keys below kv_len[b] (both int32 [B] at run time;
-    `static_length`: kv_len is S everywhere, so no length masks are needed).
+    of `page_size` positions (S = page-table width x page_size). Sequence b has kv_len[b] keys
+    (int32 [B] at run time, or S everywhere when `static_length`: no length masks needed).
+    Query i sits at position kv_len[b] - Lq + i (`queries_last`: decoding appends the queries
+    to the cache) or at i (flex_attention's few-query forward).
 
     One program packs `heads_per_tile` query heads of a kv head times Lq queries (`rows`,
     padded to `block_m`) and reads one of `config.num_splits` key ranges. With a BlockMask
