@@ -172,11 +172,14 @@ def test_bad_lengths_masks_and_configs_raise(impl):
         DecodeConfig(compiler="nvcc")
 
 
-def test_lengths_unknown_until_run_give_nan_rows():
-    """Under jit a bad kv_len cannot raise: its sequence comes out NaN, the others are right."""
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("pallas_triton",
+                                                             marks=pytest.mark.gpu)])
+def test_lengths_unknown_until_run_give_nan_rows(impl):
+    """Under jit a bad kv_len cannot raise: its sequence comes out NaN (written by the merge
+    kernel), the others are right."""
     rng = np.random.default_rng(7)
     q, k, v = inputs(rng, 2, 4, 2, 1, 32, 16)
-    run = jax.jit(functools.partial(flex_decode, config=SMALL, implementation="interpret"))
+    run = jax.jit(functools.partial(flex_decode, config=SMALL, implementation=impl))
     out = run(q, k, v, kv_len=jnp.asarray([40, 20]))
     assert np.isnan(np.asarray(out[0])).all()
     np.testing.assert_array_equal(out[1], run(q, k, v, kv_len=jnp.asarray([20, 20]))[1])

@@ -85,20 +85,22 @@ def test_bad_writes_raise_or_are_dropped():
     np.testing.assert_array_equal(written.k_pages.sum(), k[1].sum())
 
 
-def test_page_tables_outside_the_pool():
+@pytest.mark.parametrize("impl", ["interpret", pytest.param("pallas_triton",
+                                                             marks=pytest.mark.gpu)])
+def test_page_tables_outside_the_pool(impl):
     rng = np.random.default_rng(3)
     with pytest.raises(ValueError, match="page_table\\[1, 0\\] = 8 is outside the pool of 8"):
         PagedKVCache.create(8, 32, 2, 16, [[0, 1], [8, 2]], dtype=jnp.float32)
     q = random(rng, (2, 4, 1, 16))
     cache = PagedKVCache.create(8, 32, 2, 16, [[0, 1], [2, -1]], dtype=jnp.float32)
     with pytest.raises(ValueError, match="kv_len\\[1\\] = 40 .* unassigned"):
-        flex_decode(q, cache, None, kv_len=jnp.asarray([64, 40]), implementation="interpret")
+        flex_decode(q, cache, None, kv_len=jnp.asarray([64, 40]), implementation=impl)
     with pytest.raises(ValueError, match="pass v=None"):
-        flex_decode(q, cache, cache.v_pages, implementation="interpret")
+        flex_decode(q, cache, cache.v_pages, implementation=impl)
     # Under jit the table cannot be checked: a sequence that reads a page outside the pool
     # comes out NaN (the kernel clamps its reads into the pool); the others are unaffected.
     run = jax.jit(lambda c: flex_decode(q, c, None, kv_len=jnp.asarray([64, 32]), config=SMALL,
-                                        implementation="interpret"))
+                                        implementation=impl))
     bad = run(PagedKVCache(cache.k_pages, cache.v_pages, jnp.asarray([[0, 99], [2, -1]])))
     assert np.isnan(np.asarray(bad[0])).all()
     np.testing.assert_array_equal(bad[1], run(cache)[1])
