@@ -4,7 +4,7 @@
 
 At a small shape the GPU work is a few microseconds, so the time per call of a long stream of
 back-to-back calls (one synchronisation at the end) is the host-side cost of a call (median of
-7 rounds in which the columns take turns): for the
+15 rounds in which the columns take turns): for the
 direct call, jit dispatch of the jitted jattn function on JAX arrays; for the torch op, that plus
 the DLPack crossings and the Python around them. Added overhead = torch op - direct JAX call.
 Target (issue 4): <= 50 us per call. Columns: "same tensors" passes the same torch tensors
@@ -43,7 +43,7 @@ SHAPES = {"cuda": {"matmul": (128, 256), "flex": (256, 1024), "head_dim": 64,
                   "dtype": torch.float32}}
 
 
-def _per_call_seconds(columns: dict, rounds: int = 7) -> dict:
+def _per_call_seconds(columns: dict, rounds: int = 15) -> dict:
     """Median over `rounds` of the seconds per call of each column's fn in CALLS back-to-back
     calls: {name: (fn, wait)} -> {name: seconds}. The columns take turns within each round, so
     a drift of the host (clock, neighbours) between columns does not become a difference."""

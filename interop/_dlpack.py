@@ -88,8 +88,10 @@ def _import(tensor: torch.Tensor, device: torch.device) -> jax.Array:
         return _import_capsule(capsule, jax_device, None, None)
 
 
-def _forget(key: int):
-    return lambda _: _VIEWS.pop(key, None)
+def _forget(key: int, views: dict = _VIEWS):
+    """The callback that drops a dead tensor's entry (the dict bound now: at interpreter exit
+    the module's globals are cleared before the last tensors die)."""
+    return lambda _: views.pop(key, None)
 
 
 def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
@@ -99,7 +101,7 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     computation that reads the arrays.
     """
     cached = _VIEWS.get(id(tensor))
-    if cached is not None and cached[0] == (tensor.data_ptr(), tensor.shape, tensor.dtype):
+    if cached is not None and cached[0] == _signature(tensor):
         return cached[1]  # validated when cached
     if not isinstance(tensor, torch.Tensor):
         raise _not_a_tensor(name, tensor)
@@ -119,9 +121,14 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64
     if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
         key = id(tensor)
-        _VIEWS[key] = ((tensor.data_ptr(), tensor.shape, tensor.dtype), array,
-                       weakref.ref(tensor, _forget(key)))
+        _VIEWS[key] = (_signature(tensor), array, weakref.ref(tensor, _forget(key)))
     return array
+
+
+def _signature(tensor: torch.Tensor) -> tuple:
+    """What a cached view must still match: address, shape, dtype and device index (-1: the
+    CPU; an int compares faster than a torch.device)."""
+    return tensor.data_ptr(), tensor.shape, tensor.dtype, tensor.get_device()
 
 
 @functools.cache
@@ -132,12 +139,6 @@ def _driver() -> tuple:
     functions[0].argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     functions[1].argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
     return functions
-
-
-def _torch_stream(index: int) -> int:
-    """torch's current stream on GPU `index`, as a raw handle (a few times cheaper than
-    `torch.cuda.current_stream`, which builds a Stream object)."""
-    return torch._C._cuda_getCurrentRawStream(index)
 
 
 @functools.cache
@@ -152,16 +153,22 @@ def _jax_compute_stream(index: int) -> int:
     return seen[0]
 
 
-# Events per thread and device, reused: a wait takes the event's state when it is queued, and
-# a thread's record and wait are not interleaved with another thread's.
+# Per thread, per GPU index: (torch.cuda.Event, its CUDA event handle, JAX's compute stream),
+# reused: a wait takes the event's state when it is queued, and a thread's record and wait are
+# not interleaved with another thread's.
 _THREAD = threading.local()
 
 
-def _event(index: int) -> torch.cuda.Event:
-    events = _THREAD.__dict__.setdefault("events", {})
-    if index not in events:
-        events[index] = torch.cuda.Event()
-    return events[index]
+def _recorded_by_torch(index: int) -> tuple:
+    """The thread's event for GPU `index`, recorded on torch's current stream by torch."""
+    handles = _THREAD.__dict__.get(index)
+    if handles is None:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))  # creates the CUDA event
+        handles = _THREAD.__dict__[index] = (event, event.cuda_event, _jax_compute_stream(index))
+    else:
+        handles[0].record(torch.cuda.current_stream(index))
+    return handles
 
 
 def wait_for_torch(device: torch.device) -> None:
@@ -170,18 +177,19 @@ def wait_for_torch(device: torch.device) -> None:
     if device.type != "cuda":
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    event = _event(index)
     record, wait = _driver()
     # The driver's record on torch's raw stream handle costs ~1 us against ~4 for torch's
-    # Stream object and record. Torch's record instead: for the default stream (handle 0) of
-    # another device than the current one (0 names the current context's), and where the
-    # driver's fails — before the event's first record (torch creates the CUDA event then) or
-    # on a thread with no current CUDA context (autograd runs backward on its own threads;
-    # torch's record makes the context current).
-    stream = _torch_stream(index)
-    if (stream == 0 and torch._C._cuda_getDevice() != index) or record(event.cuda_event, stream):
-        event.record(torch.cuda.current_stream(index))
-    status = wait(_jax_compute_stream(index), event.cuda_event, 0)
+    # Stream object and record (ops call this on every call). Torch's record instead: before
+    # the thread's first (torch creates the CUDA event then), for the default stream (handle 0)
+    # of another device than the current one (0 names the current context's), and where the
+    # driver's fails, as on a thread with no current CUDA context (autograd runs backward on
+    # its own threads; torch's record makes the context current).
+    handles = _THREAD.__dict__.get(index)
+    stream = torch._C._cuda_getCurrentRawStream(index)
+    if (handles is None or (stream == 0 and torch._C._cuda_getDevice() != index)
+            or record(handles[1], stream)):
+        handles = _recorded_by_torch(index)
+    status = wait(handles[2], handles[1], 0)
     if status:
         raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
 
@@ -197,8 +205,8 @@ def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tens
         cuda, index = jax_device.platform == "gpu", jax_device.local_hardware_id
     else:
         cuda, index = device.type == "cuda", device.index or 0
-    stream = _torch_stream(index) if cuda else None
-    return torch.utils.dlpack.from_dlpack(_export_capsule(array, stream=stream))
+    stream = torch._C._cuda_getCurrentRawStream(index) if cuda else None
+    return torch._C._from_dlpack(_export_capsule(array, stream))  # from_dlpack's core
 
 
 def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
@@ -214,19 +222,28 @@ def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
     """The one device the torch tensors are on (else a clear error) and their JAX views
     (`to_jax`; JAX arrays and None pass through), in one pass: ops call it on every call.
     names: the tensors' argument names, for errors."""
-    device, arrays = None, []
+    first, arrays = None, []
     for tensor, name in zip(tensors, names):
-        if isinstance(tensor, torch.Tensor):  # the common case first: a cheap check
-            if device is None:
-                device = tensor.device
-            elif tensor.device != device:
+        # The common case first, inline: a tensor whose view is cached (a live entry's id is
+        # that tensor's, so a match needs no type check).
+        cached = _VIEWS.get(id(tensor))
+        if cached is not None and cached[0] == (signature := _signature(tensor)):
+            array = cached[1]
+        elif isinstance(tensor, torch.Tensor):
+            if first is not None and tensor.device != first.device:  # before to_jax's errors
                 raise _device_error(fn, tensors, names)
-            arrays.append(to_jax(tensor, name))
+            array, signature = to_jax(tensor, name), _signature(tensor)
         elif tensor is None or isinstance(tensor, jax.Array):
             arrays.append(tensor)
+            continue
         else:
             raise _not_a_tensor(name, tensor)
-    return device, arrays
+        if first is None:
+            first, where = tensor, signature[3]
+        elif signature[3] != where:  # device indices of tensors with cached views
+            raise _device_error(fn, tensors, names)
+        arrays.append(array)
+    return None if first is None else first.device, arrays
 
 
 def _not_a_tensor(name: str, value) -> TypeError:

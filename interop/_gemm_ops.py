@@ -98,9 +98,11 @@ def register(spec: GemmOp):
         return {**dict(zip(names, arrays)), **dict(zip(option_names, options)),
                 "implementation": implementation}
 
-    @functools.partial(jax.jit, static_argnames=("options", "implementation"))
-    def forward_jit(*arrays, options, implementation):
-        return spec.fn(**keywords(arrays, options, implementation))
+    @functools.cache
+    def forward_program(options, implementation) -> Callable[..., jax.Array]:
+        """The jitted forward for one set of options: bound, as dispatching static arguments
+        on every call costs more."""
+        return jax.jit(lambda *arrays: spec.fn(**keywords(arrays, options, implementation)))
 
     @functools.partial(jax.jit, static_argnames=("options", "implementation"))
     def vjp_jit(grad, *arrays, options, implementation):
@@ -110,24 +112,25 @@ def register(spec: GemmOp):
             return spec.fn(**{**fixed, **dict(zip(spec.grads, xs))})
         return jax.vjp(differentiable, *(fixed[name] for name in spec.grads))[1](grad)
 
-    def static(args, device) -> dict:
-        """jit's static arguments (JAX's stream on `device` now ordered after torch's)."""
+    def static(args, device) -> tuple:
+        """(options, implementation) of a call on tensors on `device`, as the programs take
+        them."""
         options = args[n:-1]
         if dtype_options:
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
-        return dict(options=options,
-                    implementation=implementation_for(spec.name, device, args[-1]))
+        return options, implementation_for(spec.name, device, args[-1])
 
     def run_forward(*args) -> Tensor:
         device, arrays = ready_views(spec.name, args[:n], names)
-        return to_torch(forward_jit(*arrays, **static(args, device)), device)
+        return to_torch(forward_program(*static(args, device))(*arrays), device)
 
     def run_backward(grad, *args) -> list[Tensor]:
         """[a gradient for each tensor of spec.grads that is not None]"""
         if spec.no_gradient is not None:
             raise NotImplementedError(spec.no_gradient)
         device, arrays = ready_views(spec.name, (grad, *args[:n]), ("grad", *names))
-        grads = vjp_jit(*arrays, **static(args, device))
+        options, implementation = static(args, device)
+        grads = vjp_jit(*arrays, options=options, implementation=implementation)
         return [to_torch(g, device) for g in grads if g is not None]
 
     def backward_fake(grad, *args):

@@ -13,8 +13,9 @@ flex_attention; the GEMMs are in `_gemm_ops`, flex_decode in `_decode_ops`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import jax
@@ -163,11 +164,15 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
 _FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation")
 
 
-@functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
-def _flex(q, k, v, mask_arrays, captures, **static):
-    """(out, lse); mask_arrays: the kv-major lists."""
-    return _flex_call(jattn.flex_attention, True, **static)(
-        q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=True)
+@functools.cache
+def _flex_program(return_lse: bool, **static) -> Callable:
+    """The jitted forward for one set of static options (bound, not passed per call: cheaper
+    to dispatch): (q, k, v, mask_arrays, captures) -> out, or (out, lse) with return_lse;
+    mask_arrays: the kv-major lists."""
+    def forward(q, k, v, mask_arrays, captures):
+        return _flex_call(jattn.flex_attention, True, **static)(
+            q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=return_lse)
+    return jax.jit(forward)
 
 
 @functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
@@ -226,7 +231,7 @@ def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
     device, qkv, lists, capture_arrays = ready_op_views(
         "flex_attention", _FORWARD_TENSORS, (q, k, v), mask_tensors, captures,
         kv_only=True)
-    out, lse = _flex(*qkv, lists, capture_arrays, **_flex_static(device, *static))
+    out, lse = _flex_program(True, **_flex_static(device, *static))(*qkv, lists, capture_arrays)
     return out, lse, device
 
 
@@ -320,14 +325,73 @@ class _EagerFlex(torch.autograd.Function):
         return None, None, None, dq, dk, dv, *d_captures
 
 
-def run_flex(q, k, v, masks, captures, *static, return_lse: bool):
-    """jattn::flex_attention: (out, lse) under torch.compile (lse dropped unless asked for),
-    else its eager twin, or without autograd when nothing needs a gradient."""
-    if torch.compiler.is_compiling():
-        out, lse = torch.ops.jattn.flex_attention(q, k, v, masks, captures, *static)
-        return (out, lse) if return_lse else out
-    if needs_autograd((q, k, v, *captures)):
-        return _EagerFlex.apply(static, masks, return_lse, q, k, v, *captures)
-    out, lse, device = _flex_forward_arrays(q, k, v, masks, captures, *static)
-    out = to_torch(out, device)
-    return (out, to_torch(lse, device)) if return_lse else out
+def traced_flex(q, k, v, masks, captures, *static, return_lse: bool):
+    """jattn::flex_attention under torch.compile: (out, lse), the LSE dropped unless asked
+    for."""
+    out, lse = torch.ops.jattn.flex_attention(q, k, v, masks, captures, *static)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------
+# flex attention in eager mode
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexPlan:
+    """What an eager flex_attention call needs besides its tensors, worked out once per
+    (mods, mask layout, lengths, options, device type) and kept in `FLEX_PLANS`: each call
+    then costs a dictionary lookup instead of the mods' registration, the options' checks and
+    jit's static-argument handling (per-call overhead is issue 4's target).
+
+    static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
+    implementation as given). captures: the tensors the mods close over. names: the argument
+    names of (q, k, v, kv-major mask lists, captures), for errors. forward, forward_lse: the
+    jitted programs (q, k, v, mask arrays, capture arrays) -> out, or (out, lse). mods: the
+    (score_mod, mask_mod) objects, kept alive so the ids in the plan's key stay theirs.
+    """
+
+    static: tuple
+    captures: tuple[Tensor, ...]
+    names: tuple[str, ...]
+    forward: Callable
+    forward_lse: Callable
+    mods: tuple
+
+
+# (id(score_mod), id(mask_mod), block size, seq lengths, number of kv-major lists, L, S,
+# scale, enable_gqa, implementation, device type) -> FlexPlan.
+FLEX_PLANS: dict[tuple, FlexPlan] = {}
+_MAX_FLEX_PLANS = 256  # mods re-created on every call make a plan each: the dict is bounded
+
+
+def new_flex_plan(key: tuple, score_mod, mask_mod, device: torch.device) -> FlexPlan:
+    """The plan of `key` (FLEX_PLANS' layout), registered there. The caller has validated the
+    mask layout."""
+    _, _, block_size, seq_lengths, n_lists, *_, scale, enable_gqa, implementation, _ = key
+    mods = register_mods(score_mod, mask_mod)
+    static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation)
+    options = _flex_static(device, *static)
+    captures = tuple(mod_captures(mods))
+    if len(FLEX_PLANS) >= _MAX_FLEX_PLANS:
+        FLEX_PLANS.clear()
+    plan = FLEX_PLANS[key] = FlexPlan(
+        static, captures, tensor_names(_FORWARD_TENSORS, n_lists, len(captures), kv_only=True),
+        _flex_program(False, **options), _flex_program(True, **options), (score_mod, mask_mod))
+    return plan
+
+
+def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], all_lists, *,
+             return_lse: bool):
+    """jattn::flex_attention in eager mode: its autograd.Function twin when a gradient is
+    needed (all_lists(): every mask list, MASK_FIELDS order), else the plan's program alone
+    on q, k, v and the kv-major lists."""
+    if needs_autograd((q, k, v, *plan.captures)):
+        return _EagerFlex.apply(plan.static, all_lists(), return_lse, q, k, v, *plan.captures)
+    device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *plan.captures),
+                                 plan.names)
+    n = 3 + len(kv_lists)
+    if not return_lse:
+        return to_torch(plan.forward(*arrays[:3], arrays[3:n], arrays[n:]), device)
+    out, lse = plan.forward_lse(*arrays[:3], arrays[3:n], arrays[n:])
+    return to_torch(out, device), to_torch(lse, device)

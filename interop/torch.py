@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import torch
@@ -167,12 +168,41 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=
     differentiable in q, k, v and floating-point tensors the score_mod closes over.
     """
     L, S = q.shape[-2], k.shape[-2]
-    mask_tensors, block_size = [], [128, 128]
-    if block_mask is not None:
-        mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-    mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
-    return _ops.run_flex(q, k, v, mask_tensors, _ops.mod_captures(mods), mods, block_size,
-                         [L, S], scale, enable_gqa, implementation, return_lse=return_lse)
+    if torch.compiler.is_compiling():
+        mask_tensors, block_size = [], [128, 128]
+        if block_mask is not None:
+            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
+        mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
+        return _ops.traced_flex(q, k, v, mask_tensors, _ops.mod_captures(mods), mods,
+                                block_size, [L, S], scale, enable_gqa, implementation,
+                                return_lse=return_lse)
+    # Eager: the few fields a forward reads, and a plan worked out once per layout and options.
+    if block_mask is None:
+        kv_lists, mask_mod, block_size, seq_lengths = (), None, (128, 128), (L, S)
+    else:
+        if not isinstance(block_mask, _torch_flex().BlockMask):
+            _mask_tensors(block_mask, L, S)  # raises its error
+        *kv_lists, mask_mod, seq_lengths, block_size = _FORWARD_FIELDS(block_mask)
+        kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
+        mask_mod = None if mask_mod is _torch_flex().noop_mask else mask_mod
+    device = q.device
+    key = (id(score_mod), id(mask_mod), block_size, seq_lengths, len(kv_lists), L, S, scale,
+           enable_gqa, implementation, device.type)
+    plan = _ops.FLEX_PLANS.get(key)
+    if plan is None:
+        if block_mask is not None:
+            _mask_tensors(block_mask, L, S)  # its checks, once per plan
+        plan = _ops.new_flex_plan(key, score_mod, mask_mod, device)
+    return _ops.run_flex(plan, q, k, v, kv_lists,
+                         lambda: [] if block_mask is None else _mask_tensors(block_mask, L, S)[0],
+                         return_lse=return_lse)
+
+
+# A BlockMask's fields an eager forward reads: its kv-major lists (partial, then full), mask_mod,
+# seq_lengths and BLOCK_SIZE.
+_FORWARD_FIELDS = operator.attrgetter(
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "mask_mod",
+    "seq_lengths", "BLOCK_SIZE")
 
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, *,
