@@ -15,8 +15,8 @@ so back-to-back ops still queue ahead of the GPU. Results cross back ordered on 
 current stream, so later torch work waits on the GPU for our kernel. A JAX view keeps its
 DLPack capsule, hence the torch storage, alive until JAX is done with it.
 
-Views are cached per tensor object (while it lives, at the same address and shape): a weight, a
-BlockMask list or a captured table crosses once, not on every call.
+Views are cached per tensor object (while it lives, at the same address, shape, dtype and
+device): a weight, a BlockMask list or a captured table crosses once, not on every call.
 """
 
 from __future__ import annotations
