@@ -186,8 +186,8 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=
         kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
         mask_mod = None if mask_mod is _torch_flex().noop_mask else mask_mod
     device = q.device
-    key = (id(score_mod), id(mask_mod), block_size, seq_lengths, len(kv_lists), L, S, scale,
-           enable_gqa, implementation, device.type)
+    key = (id(score_mod), id(mask_mod), tuple(block_size), tuple(seq_lengths), len(kv_lists),
+           L, S, scale, enable_gqa, implementation, device.type)
     plan = _ops.FLEX_PLANS.get(key)
     if plan is None:
         if block_mask is not None:

@@ -169,6 +169,34 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     for outputs in (no_grad, run()):
         for out, expected in zip(outputs, recorded):
             assert out.grad_fn is None and torch.equal(out, expected.detach())
+    without_lse = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+    assert torch.equal(without_lse, recorded[0].detach())  # its own program, same output
+
+
+def test_block_masks_of_one_layout_share_a_plan_and_keep_their_lists():
+    """Eager calls find their plan by mods and mask layout, not by BlockMask: two masks with
+    the same mask_mod (none) and sizes but different blocks share one plan, and each call
+    still reads its own lists. Reference: dense float64 attention over the allowed blocks
+    (torch's uncompiled flex_attention applies mask_mod only, not the block lists)."""
+    q, k, v = (x.detach() for x in _qkv())
+    n = -(-L // 64)
+    rows = torch.arange(n)
+    causal_blocks = (rows[:, None] >= rows[None, :]).int()
+    diagonal_blocks = torch.eye(n, dtype=torch.int32)
+    block_of = torch.arange(L) // 64
+    scores = q.double() @ k.double().repeat_interleave(HQ // HKV, 1).transpose(-1, -2)
+    plans_before = len(_ops.FLEX_PLANS)
+    for blocks in (causal_blocks, diagonal_blocks):
+        counts = blocks.sum(1).int()[None, None]
+        indices = torch.argsort(-blocks, dim=1, stable=True).int()[None, None]
+        block_mask = flex.BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=64,
+                                                   seq_lengths=(L, L))
+        out = jt.flex_attention(q, k, v, None, block_mask, enable_gqa=True)
+        allowed = blocks.bool()[block_of[:, None], block_of[None, :]]
+        weights = torch.softmax((scores / E**0.5).masked_fill(~allowed, -torch.inf), -1)
+        expected = weights @ v.double().repeat_interleave(HQ // HKV, 1)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    assert len(_ops.FLEX_PLANS) == plans_before + 1
 
 
 def test_compiles_without_graph_breaks():
