@@ -308,11 +308,11 @@ class _EagerFlex(torch.autograd.Function):
     caller asked for it (each crossing costs ~25 us)."""
 
     @staticmethod
-    def forward(ctx, static, masks, return_lse, q, k, v, *captures):
-        out, lse, device = _flex_forward_arrays(q, k, v, masks, captures, *static)
+    def forward(ctx, plan, masks, return_lse, q, k, v, *captures):
+        (out, lse), device = _run_plan(plan, q, k, v, kv_major(masks), return_lse=True)
         out_tensor = to_torch(out, device)
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
-        ctx.arrays, ctx.masks, ctx.static = (out, lse), masks, static
+        ctx.arrays, ctx.masks, ctx.static = (out, lse), masks, plan.static
         return (out_tensor, to_torch(lse, device)) if return_lse else out_tensor
 
     @staticmethod
@@ -387,11 +387,18 @@ def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], all_lists, *,
     needed (all_lists(): every mask list, MASK_FIELDS order), else the plan's program alone
     on q, k, v and the kv-major lists."""
     if needs_autograd((q, k, v, *plan.captures)):
-        return _EagerFlex.apply(plan.static, all_lists(), return_lse, q, k, v, *plan.captures)
+        return _EagerFlex.apply(plan, all_lists(), return_lse, q, k, v, *plan.captures)
+    result, device = _run_plan(plan, q, k, v, kv_lists, return_lse=return_lse)
+    if not return_lse:
+        return to_torch(result, device)
+    return to_torch(result[0], device), to_torch(result[1], device)
+
+
+def _run_plan(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], *, return_lse: bool):
+    """The plan's program on q, k, v, the kv-major lists and the plan's captures: (its JAX
+    result, the tensors' device)."""
     device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *plan.captures),
                                  plan.names)
     n = 3 + len(kv_lists)
-    if not return_lse:
-        return to_torch(plan.forward(*arrays[:3], arrays[3:n], arrays[n:]), device)
-    out, lse = plan.forward_lse(*arrays[:3], arrays[3:n], arrays[n:])
-    return to_torch(out, device), to_torch(lse, device)
+    program = plan.forward_lse if return_lse else plan.forward
+    return program(*arrays[:3], arrays[3:n], arrays[n:]), device
