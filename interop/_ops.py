@@ -4,11 +4,12 @@ running `jax.vjp` of the same jattn function, so torch gradients equal JAX's bit
 
 Each op converts its tensors through `_dlpack` (zero-copy), calls a jitted JAX function (compiled
 once per shapes, dtypes and options by jit's cache) and hands the result back as a tensor.
-`run_flex` (and `_gemm_ops.run_op` for the GEMMs) use the registered op under torch.compile
-and, in eager mode, an autograd.Function running the same implementation and gradient formula
-(the dispatcher's per-call cost avoided), or that implementation alone when nothing needs a
-gradient. This module holds the helpers every op uses and
-flex_attention; the GEMMs are in `_gemm_ops`, flex_decode in `_decode_ops`.
+Under torch.compile the public functions call the registered ops (`traced_flex`; `_gemm_ops.
+run_op` for the GEMMs); in eager mode an autograd.Function runs the same implementation and
+gradient formula (the dispatcher's per-call cost avoided), or that implementation alone when
+nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options).
+This module holds the helpers every op uses and flex_attention; the GEMMs are in `_gemm_ops`,
+flex_decode in `_decode_ops`.
 """
 
 from __future__ import annotations
