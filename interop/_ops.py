@@ -7,7 +7,8 @@ once per shapes, dtypes and options by jit's cache) and hands the result back as
 Under torch.compile the public functions call the registered ops (`traced_flex`; `_gemm_ops.
 run_op` for the GEMMs); in eager mode an autograd.Function runs the same implementation and
 gradient formula (the dispatcher's per-call cost avoided), or that implementation alone when
-nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options).
+nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options);
+an eager flex forward that is one kernel on CUDA is launched without JAX (`_direct`).
 This module holds the helpers every op uses and flex_attention; the GEMMs are in `_gemm_ops`,
 flex_decode in `_decode_ops`.
 """
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 import jattn
+from interop._direct import DirectProgram
 from interop._dlpack import jax_views, to_torch, wait_for_torch
 from interop._translate import TranslatedMod, is_torch_mod, translate
 from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
@@ -304,17 +306,26 @@ flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_conte
 class _EagerFlex(torch.autograd.Function):
     """jattn::flex_attention outside torch.compile; captured tensors come flat so autograd sees
     them, the mask lists (integers, never differentiated) in a list it does not look into:
-    each tensor argument adds to the Function's per-call cost. The forward's out and LSE stay
-    JAX arrays for the backward (no crossing back), and the LSE crosses to torch only when the
-    caller asked for it (each crossing costs ~25 us)."""
+    each tensor argument adds to the Function's per-call cost. A forward run by JAX keeps out
+    and LSE as JAX arrays for the backward (no crossing back), the LSE crossing to torch only
+    when the caller asked for it (each crossing costs ~25 us); a forward launched directly
+    makes both tensors."""
 
     @staticmethod
     def forward(ctx, plan, masks, return_lse, q, k, v, *captures):
-        (out, lse), device = _run_plan(plan, q, k, v, kv_major(masks), return_lse=True)
-        out_tensor = to_torch(out, device)
+        kv_lists = kv_major(masks)
+        direct = None if plan.direct is None else plan.direct[True](
+            (q, k, v, *kv_lists, *captures))
+        if direct is not None:
+            (out_tensor, lse_tensor), ctx.arrays = direct, direct
+        else:
+            (out, lse), device = _run_plan(plan, q, k, v, kv_lists, return_lse=True)
+            out_tensor = to_torch(out, device)
+            lse_tensor = to_torch(lse, device) if return_lse else None
+            ctx.arrays = out, lse  # the backward reads them without crossing back
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
-        ctx.arrays, ctx.masks, ctx.static = (out, lse), masks, plan.static
-        return (out_tensor, to_torch(lse, device)) if return_lse else out_tensor
+        ctx.masks, ctx.static = masks, plan.static
+        return (out_tensor, lse_tensor) if return_lse else out_tensor
 
     @staticmethod
     def backward(ctx, d_out, d_lse=None):
@@ -348,7 +359,9 @@ class FlexPlan:
     static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
     implementation as given). captures: the tensors the mods close over. names: the argument
     names of (q, k, v, kv-major mask lists, captures), for errors. forward, forward_lse: the
-    jitted programs (q, k, v, mask arrays, capture arrays) -> out, or (out, lse). mods: the
+    jitted programs (q, k, v, mask arrays, capture arrays) -> out, or (out, lse). direct:
+    for the Pallas kernels on CUDA, the two as `DirectProgram`s on (q, k, v, kv-major lists,
+    captures), launched without JAX where they are one kernel; else None. mods: the
     (score_mod, mask_mod) objects, kept alive so the ids in the plan's key stay theirs.
     """
 
@@ -357,6 +370,7 @@ class FlexPlan:
     names: tuple[str, ...]
     forward: Callable
     forward_lse: Callable
+    direct: tuple[DirectProgram, DirectProgram] | None
     mods: tuple
 
 
@@ -376,9 +390,15 @@ def new_flex_plan(key: tuple, score_mod, mask_mod, device: torch.device) -> Flex
     captures = tuple(mod_captures(mods))
     if len(FLEX_PLANS) >= _MAX_FLEX_PLANS:
         FLEX_PLANS.clear()
+    forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
+    direct = None
+    if options["implementation"] == "pallas_triton":
+        def pack(tensors, n=3 + n_lists):  # flat tensors -> the programs' arguments
+            return (*tensors[:3], tensors[3:n], tensors[n:])
+        direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)
     plan = FLEX_PLANS[key] = FlexPlan(
         static, captures, tensor_names(_FORWARD_TENSORS, n_lists, len(captures), kv_only=True),
-        _flex_program(False, **options), _flex_program(True, **options), (score_mod, mask_mod))
+        forward, forward_lse, direct, (score_mod, mask_mod))
     return plan
 
 
@@ -386,9 +406,13 @@ def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], all_lists, *,
              return_lse: bool):
     """jattn::flex_attention in eager mode: its autograd.Function twin when a gradient is
     needed (all_lists(): every mask list, MASK_FIELDS order), else the plan's program alone
-    on q, k, v and the kv-major lists."""
+    on q, k, v and the kv-major lists: its one kernel launched directly where it can be."""
     if needs_autograd((q, k, v, *plan.captures)):
         return _EagerFlex.apply(plan, all_lists(), return_lse, q, k, v, *plan.captures)
+    if plan.direct is not None:
+        result = plan.direct[return_lse]((q, k, v, *kv_lists, *plan.captures))
+        if result is not None:
+            return tuple(result) if return_lse else result[0]
     result, device = _run_plan(plan, q, k, v, kv_lists, return_lse=return_lse)
     if not return_lse:
         return to_torch(result, device)

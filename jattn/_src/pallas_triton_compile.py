@@ -13,12 +13,14 @@ back to the stock lowering: same kernel, XLA's compiler.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
 import re
 import tempfile
+import threading
 import zlib
 
 import jax
@@ -27,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.tiling import COMPILERS
 
 _PARAM = re.compile(r"\.param\s")
+_RECORDING = threading.local()
 _DOT = re.compile(r"(= tt\.dot [^:\n]*?)( : tensor<)")
 
 
@@ -78,6 +81,19 @@ def _register() -> bool:
         return False
     pallas_core.register_lowering_rule(_TritonCompiled, functools.partial(_lower, stock), "gpu")
     return True
+
+
+@contextlib.contextmanager
+def recording_kernels():
+    """Yields a list that receives (compiled kernel, grid) for every kernel this module
+    compiles for XLA to launch in lowerings run inside the block on this thread (kernels that
+    fall back to XLA's compiler are not recorded)."""
+    outer = getattr(_RECORDING, "kernels", None)
+    _RECORDING.kernels = kernels = []
+    try:
+        yield kernels
+    finally:
+        _RECORDING.kernels = outer
 
 
 def _gpus() -> list:
@@ -171,6 +187,9 @@ def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_ou
     if getattr(kernel.metadata, "global_scratch_size", 0) or getattr(
             kernel.metadata, "profile_scratch_size", 0):
         return fallback()  # would need scratch buffers the launcher does not allocate
+    grid = stock.normalize_grid(result.grid)
+    if getattr(_RECORDING, "kernels", None) is not None:
+        _RECORDING.kernels.append((kernel, grid))
     ptx = kernel.asm["ptx"]
     operands = len(ctx.avals_in) + len(ctx.avals_out)
     entry = ptx[ptx.index(".entry"):]
@@ -178,7 +197,7 @@ def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_ou
     launch = gpu_triton.TritonKernelCall(
         gpu_triton.TritonKernel(kernel.name, kernel.metadata.num_warps, 1,
                                 kernel.metadata.shared, ptx, ttir, capability),
-        *stock.normalize_grid(result.grid),
+        *grid,
         [gpu_triton.create_array_parameter(0, 16)] * operands
         + [gpu_triton.create_scalar_parameter(0, "u64")] * extra)
     result_types = [mlir.aval_to_ir_type(ctx.module_context, aval) for aval in ctx.avals_out]

@@ -292,3 +292,68 @@ def test_a_lambda_recreated_per_call_is_translated_once():
     assert len(keys) == 1
     other = torch.randn(HQ, 3)
     assert _ops.register_mods(lambda s, b, h, qi, ki: s + other[h, qi % 3], None) not in keys
+
+
+def _through_jax_only(*args, **kwargs):
+    raise AssertionError("this call was expected to launch its kernel without JAX")
+
+
+def _run_with_and_without_direct_launch(monkeypatch, call):
+    """call() with the direct launch (JAX's path raising if reached), then with the direct
+    launch turned off."""
+    from interop._direct import DirectProgram
+    with monkeypatch.context() as patched:
+        patched.setattr(_ops, "_run_plan", _through_jax_only)
+        direct = call()
+    with monkeypatch.context() as patched:
+        patched.setattr(DirectProgram, "__call__", lambda self, tensors: None)
+        return direct, call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask,mod", [("causal", "none"), ("document", "relative"),
+                                      ("sliding", "alibi")])
+def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
+    """On CUDA a forward that is one kernel compiled by `triton` (here E=32) is launched
+    without JAX, with or without autograd; out, LSE and the gradients (q, k, v and a captured
+    bias table, random cotangents) equal the JAX path's bit for bit."""
+    q, k, v = _qkv(torch.bfloat16, "cuda")
+    table = torch.randn(HQ, 2 * RADIUS + 1, device="cuda", requires_grad=True)
+    score_mod = torch_score_mod(mod, SLOPES.cuda(), table, RADIUS)
+    block_mask = jt.create_block_mask(torch_mask(mask, SEGMENTS.to(torch.int32).cuda()), None,
+                                      None, L, L, block_size=64, device="cuda")
+    cotangents = [torch.randn(s, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+                  for i, s in enumerate([(B, HQ, L, E), (B, HQ, L)])]
+
+    def call():
+        with torch.no_grad():
+            inference = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                          return_lse=True)
+        out, lse = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                     return_lse=True)
+        inputs = [q, k, v, table] if mod == "relative" else [q, k, v]  # what the op reads
+        grads = torch.autograd.grad((out, lse), inputs,
+                                    (cotangents[0].to(out.dtype), cotangents[1]))
+        return [*inference, out.detach(), lse.detach(), *grads]
+
+    direct, through_jax = _run_with_and_without_direct_launch(monkeypatch, call)
+    assert len(direct) == len(through_jax)
+    for got, expected in zip(direct, through_jax):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+def test_tensors_the_kernel_cannot_take_in_place_go_through_jax(monkeypatch):
+    """A non-contiguous q and a q at an address not 32-byte aligned are not launched
+    directly (JAX's path runs: one copy, resp. XLA's own handling) and give the same bits."""
+    q, k, v = (x.detach() for x in _qkv(torch.bfloat16, "cuda"))
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
+    shifted.copy_(q)
+    expected = jt.flex_attention(q, k, v, enable_gqa=True)
+    calls = []
+    run_plan = _ops._run_plan
+    monkeypatch.setattr(_ops, "_run_plan", lambda *a, **kw: calls.append(1) or run_plan(*a, **kw))
+    for odd in (strided, shifted):
+        assert torch.equal(jt.flex_attention(odd, k, v, enable_gqa=True), expected)
+    assert len(calls) == 2

@@ -1,0 +1,119 @@
+"""A JAX program that is one Pallas kernel, launched without JAX on buffers and a stream the
+caller owns.
+
+Where a program's whole computation is a single pallas_call (custom_vjp and jit wrappers
+aside) whose kernel the `triton` package compiles (`compiler="triton"`, see
+`pallas_triton_compile`), the compiled kernel JAX launches through XLA can be launched by
+Triton's own launcher instead: no JAX dispatch, no buffers to import or export, no stream to
+synchronise. interop's eager torch ops use this; it costs a few microseconds of host time
+against JAX's 40-70 per call (benchmarks/RESULTS.md, issue 4).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax._src import core as jax_core
+
+from jattn._src.pallas_triton_compile import recording_kernels
+
+# Primitives that only wrap a jaxpr (their parameter holding it): inlined when looking for the
+# program's one kernel.
+_WRAPPERS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+             "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+             "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+class KernelLaunch:
+    """How to run a program as its one kernel.
+
+    operands: for each kernel input in order, the index of the program argument it is.
+    outputs: (shape, dtype) of each kernel output, which the caller allocates.
+    results: for each program result, the index of the kernel output it is.
+    alignment: the byte alignment the kernel assumes of every buffer address.
+    """
+
+    def __init__(self, operands, outputs, results, kernel, grid):
+        self.operands: tuple[int, ...] = operands
+        self.outputs: tuple[tuple[tuple[int, ...], np.dtype], ...] = outputs
+        self.results: tuple[int, ...] = results
+        self.alignment = _ALIGNMENT
+        self._kernel, self._grid, self._run = kernel, grid, None
+
+    def __call__(self, operands: Sequence[int], outputs: Sequence[int], stream: int) -> None:
+        """Queues the kernel on `stream` (a CUDA stream handle, 0 the legacy default) of the
+        current device, reading the buffers at the addresses `operands` (in `self.operands`
+        order) and writing those at `outputs`. The first call loads the kernel into the
+        current CUDA context: later calls must find the same device current."""
+        run = self._run
+        if run is None:
+            kernel = self._kernel
+            run = self._run = functools.partial(kernel.run, *self._grid)
+            self._bound = (kernel.function, kernel.packed_metadata, None, None, None)
+        run(stream, *self._bound, *operands, *outputs)
+
+
+def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLaunch | None:
+    """The launch of `fn(*args)` as its one kernel, or None where the program is not exactly
+    one pallas_call on its own arguments compiled by the `triton` package (then only JAX can
+    run it). Errors of tracing `fn` propagate. Call on a machine with a CUDA GPU."""
+    closed = jax.make_jaxpr(fn)(*args)
+    equations, results = _inlined(closed)
+    if len(equations) != 1 or equations[0].primitive.name != "pallas_call":
+        return None
+    [call] = equations
+    arguments = {var: i for i, var in enumerate(closed.jaxpr.invars)}
+    if (call.params.get("input_output_aliases")
+            or not all(isinstance(v, jax_core.Var) and v in arguments for v in call.invars)
+            or not all(isinstance(v, jax_core.Var) and v in call.outvars for v in results)):
+        return None
+    with recording_kernels() as kernels:
+        jax.jit(lambda *xs: call.primitive.bind(*xs, **call.params)).trace(
+            *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in call.invars)
+        ).lower(lowering_platforms=("cuda",))
+    if len(kernels) != 1:
+        return None  # compiled by XLA's Triton: only JAX launches it
+    [(kernel, grid)] = kernels
+    return KernelLaunch(
+        operands=tuple(arguments[v] for v in call.invars),
+        outputs=tuple((tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in call.outvars),
+        results=tuple(call.outvars.index(v) for v in results), kernel=kernel, grid=grid)
+
+
+# Pallas declares every kernel pointer divisible by this many bytes (tt.divisibility).
+_ALIGNMENT = 32
+_CONSTANT = object()  # stands for a jaxpr constant: no argument of the program
+
+
+def _inlined(closed: jax_core.ClosedJaxpr) -> tuple[list, list]:
+    """The live equations of `closed` with wrapper primitives (jit, custom_vjp, ...) replaced
+    by their bodies, in terms of its own argument variables (constants become `_CONSTANT`),
+    and its results in those terms."""
+    equations, rename = [], {}
+
+    def atom(x):
+        return rename.get(x, x) if isinstance(x, jax_core.Var) else x
+
+    def walk(inner: jax_core.ClosedJaxpr | jax_core.Jaxpr, inputs: list) -> list:
+        if isinstance(inner, jax_core.ClosedJaxpr):
+            rename.update(dict.fromkeys(inner.jaxpr.constvars, _CONSTANT))
+            inner = inner.jaxpr
+        rename.update(zip(inner.invars, inputs))
+        for eqn in inner.eqns:
+            body = eqn.params.get(_WRAPPERS.get(eqn.primitive.name, ""))
+            if body is None:
+                equations.append(eqn.replace(invars=[atom(x) for x in eqn.invars]))
+            else:
+                rename.update(zip(eqn.outvars, walk(body, [atom(x) for x in eqn.invars])))
+        return [atom(x) for x in inner.outvars]
+
+    results = walk(closed, list(closed.jaxpr.invars))
+    needed, live = {x for x in results if isinstance(x, jax_core.Var)}, []
+    for eqn in reversed(equations):  # dead code (e.g. placeholders nothing reads) dropped
+        if eqn.effects or not needed.isdisjoint(eqn.outvars):
+            live.append(eqn)
+            needed.update(x for x in eqn.invars if isinstance(x, jax_core.Var))
+    return live[::-1], results

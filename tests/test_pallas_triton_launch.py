@@ -1,0 +1,92 @@
+"""Finding a program's one Pallas kernel (CPU: tracing only) and launching it (GPU)."""
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn._src import pallas_triton_launch as launch
+from jattn._src import platform
+
+L, D = 256, 64
+
+
+def _flex_program(*, extra_op: bool = False):
+    """The shape of interop's forward program: jit around jattn's custom_vjp, the kv-major
+    lists as arguments and zero q-major lists that the forward kernel never reads (every
+    block partial: the causal mask_mod applies to all)."""
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+
+    @jax.jit
+    def program(q, k, v, kv_num_blocks, kv_indices):
+        n_kv = kv_num_blocks.shape[-1]
+        block_mask = jattn.BlockMask(
+            kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+            q_num_blocks=jnp.zeros((1, 1, n_kv), jnp.int32),
+            q_indices=jnp.zeros((1, 1, n_kv, n_kv), jnp.int32), full_kv_num_blocks=None,
+            full_kv_indices=None, full_q_num_blocks=None, full_q_indices=None,
+            block_size=mask.block_size, seq_lengths=mask.seq_lengths,
+            mask_mod=mask.mask_mod)
+        out = jattn.flex_attention(q, k, v, block_mask=block_mask,
+                                   implementation="pallas_triton")
+        return out * 2 if extra_op else out
+
+    qkv = [jax.ShapeDtypeStruct((1, 2, L, D), jnp.bfloat16)] * 3
+    lists = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mask.kv_num_blocks,
+                                                              mask.kv_indices)]
+    return program, (*qkv, *lists), (mask.kv_num_blocks, mask.kv_indices)
+
+
+@pytest.fixture
+def pallas_traceable(monkeypatch):
+    """Tracing (not running) implementation='pallas_triton' on a machine without a GPU."""
+    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+
+
+def test_wrappers_inline_to_the_one_kernel_on_the_arguments(pallas_traceable):
+    program, args, _ = _flex_program()
+    closed = jax.make_jaxpr(program)(*args)
+    equations, results = launch._inlined(closed)
+    assert [e.primitive.name for e in equations] == ["pallas_call"]  # placeholders dropped
+    [call] = equations
+    assert call.invars == closed.jaxpr.invars  # q, k, v and the two lists, in order
+    assert results == [call.outvars[0]]  # out; the kernel's LSE output is not returned
+
+
+def test_a_program_with_more_than_the_kernel_is_not_launched_directly(pallas_traceable):
+    program, args, _ = _flex_program(extra_op=True)
+    equations, _ = launch._inlined(jax.make_jaxpr(program)(*args))
+    assert [e.primitive.name for e in equations] == ["pallas_call", "mul"]
+    assert launch.single_kernel_launch(program, *args) is None
+
+
+@pytest.mark.gpu
+def test_direct_launch_writes_what_jax_computes():
+    """The launch's kernel on JAX-owned buffers (stream 0, after JAX has finished) gives the
+    output of the JAX program bit for bit."""
+    from jattn._src.pallas_triton_compile import triton_compiler_available
+    if not triton_compiler_available():
+        pytest.skip("needs the `triton` package")
+    program, args, lists = _flex_program()
+    found = launch.single_kernel_launch(program, *args)
+    assert found is not None and found.operands == (0, 1, 2, 3, 4)
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 2, L, D), jnp.bfloat16) for key in keys)
+    expected = program(q, k, v, *lists)
+    operands = [q, k, v, *lists]
+    outputs = [jnp.full(shape, np.nan, dtype) for shape, dtype in found.outputs]
+    jax.block_until_ready((expected, operands, outputs))
+    found([x.unsafe_buffer_pointer() for x in operands],
+          [x.unsafe_buffer_pointer() for x in outputs], 0)
+    assert ctypes.CDLL("libcuda.so.1").cuStreamSynchronize(None) == 0  # JAX does not know
+    np.testing.assert_array_equal(np.asarray(outputs[found.results[0]], np.float32),
+                                  np.asarray(expected, np.float32))
+
+
+@pytest.mark.gpu
+def test_a_kernel_compiled_by_xla_is_not_launched_directly():
+    a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+    assert launch.single_kernel_launch(jax.jit(jattn.matmul), a, a) is None
