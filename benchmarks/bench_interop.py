@@ -137,8 +137,10 @@ def bench_end_to_end(name, B, H, L, D) -> dict:
     t_op = time_torch(lambda q, k, v: jt.flex_attention(q, k, v, None, mask), rng_sets,
                       graph=False)
     grad_sets = [[x.clone().requires_grad_() for x in s] for s in rng_sets]
-    t_op_all = time_torch(lambda q, k, v: jt.flex_attention(q, k, v, None, mask).sum().backward(),
-                          grad_sets, graph=False)
+    ones = torch.ones(B, H, L, D, device="cuda", dtype=torch.bfloat16)  # as JAX's d_out below
+    t_op_all = time_torch(
+        lambda q, k, v: torch.autograd.grad(jt.flex_attention(q, k, v, None, mask), (q, k, v),
+                                            ones), grad_sets, graph=False)
 
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(lambda *x: jattn.flex_attention(*x, None, jmask), q, k, v)

@@ -3,8 +3,9 @@
 What is shared rather than copied: a contiguous tensor's memory becomes a JAX array's buffer
 (same address) and a JAX result becomes a torch tensor on the same buffer. The exceptions are
 explicit: a non-contiguous tensor is made contiguous first (one copy), int64 becomes int32 unless
-JAX runs with x64 enabled (one copy; JAX's default integer is 32-bit), and the CPU backend copies
-a tensor whose address is not aligned to XLA's requirement (e.g. a view at an odd offset).
+JAX runs with x64 enabled (one copy; JAX's default integer is 32-bit), and a tensor whose address
+is not aligned as XLA requires (e.g. a view at an odd offset) is copied: by JAX's CPU backend, by
+`to_jax` on CUDA.
 
 Streams on the GPU (measured on the H100, jax 0.11): JAX's runtime runs kernels on its own
 compute stream and ignores the stream a DLPack import names (tested: neither that stream nor the
@@ -58,6 +59,7 @@ DTYPES = {
 }
 
 _WIDENED = (torch.int64,)  # the dtypes of DTYPES that JAX narrows without x64
+_XLA_GPU_ALIGNMENT = 16  # bytes; "Address of buffer 1 must be a multiple of 10" (hex) otherwise
 
 # id(tensor) -> ((address, shape, dtype), view, weak reference whose callback drops the entry
 # when its tensor dies). (Not a WeakKeyDictionary: its key comparisons would call torch's
@@ -116,6 +118,8 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     source = tensor.detach()
     if not source.is_contiguous():
         source = source.contiguous()  # the one documented copy
+    elif device.type == "cuda" and source.data_ptr() % _XLA_GPU_ALIGNMENT:
+        source = source.clone()  # XLA's GPU runtime rejects the buffer at run time
     array = _import(source, device)
     if tensor.dtype in _WIDENED and not jax.config.jax_enable_x64:
         array = array.astype(jax.dtypes.canonicalize_dtype(array.dtype))  # int64 without x64

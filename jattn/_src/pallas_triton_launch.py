@@ -12,6 +12,7 @@ against JAX's 40-70 per call (benchmarks/RESULTS.md, issue 4).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -25,6 +26,7 @@ from jattn._src.pallas_triton_compile import recording_kernels
 _WRAPPERS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
              "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
              "custom_vjp_call_jaxpr": "fun_jaxpr"}
+_DIVISIBILITY = re.compile(r"tt\.divisibility = (\d+)")  # a pointer's assumed alignment
 
 
 class KernelLaunch:
@@ -40,7 +42,8 @@ class KernelLaunch:
         self.operands: tuple[int, ...] = operands
         self.outputs: tuple[tuple[tuple[int, ...], np.dtype], ...] = outputs
         self.results: tuple[int, ...] = results
-        self.alignment = _ALIGNMENT
+        # Pallas declares every pointer argument divisible by some bytes (jax 0.10: 32).
+        self.alignment = max(map(int, _DIVISIBILITY.findall(kernel.asm["ttir"])), default=1)
         self._kernel, self._grid, self._run = kernel, grid, None
 
     def __call__(self, operands: Sequence[int], outputs: Sequence[int], stream: int) -> None:
@@ -83,8 +86,6 @@ def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLau
         results=tuple(call.outvars.index(v) for v in results), kernel=kernel, grid=grid)
 
 
-# Pallas declares every kernel pointer divisible by this many bytes (tt.divisibility).
-_ALIGNMENT = 32
 _CONSTANT = object()  # stands for a jaxpr constant: no argument of the program
 
 

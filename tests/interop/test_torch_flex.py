@@ -315,8 +315,9 @@ def _run_with_and_without_direct_launch(monkeypatch, call):
                                       ("sliding", "alibi")])
 def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
     """On CUDA a forward that is one kernel compiled by `triton` (here E=32) is launched
-    without JAX, with or without autograd; out, LSE and the gradients (q, k, v and a captured
-    bias table, random cotangents) equal the JAX path's bit for bit."""
+    without JAX, with or without autograd; out, LSE and the gradients for q, k, v (random
+    cotangents) equal the JAX path's bit for bit, a captured bias table's gradient to float32
+    rounding."""
     q, k, v = _qkv(torch.bfloat16, "cuda")
     table = torch.randn(HQ, 2 * RADIUS + 1, device="cuda", requires_grad=True)
     score_mod = torch_score_mod(mod, SLOPES.cuda(), table, RADIUS)
@@ -338,8 +339,11 @@ def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
 
     direct, through_jax = _run_with_and_without_direct_launch(monkeypatch, call)
     assert len(direct) == len(through_jax)
-    for got, expected in zip(direct, through_jax):
+    for got, expected in zip(direct[:7], through_jax[:7]):
         assert torch.equal(got, expected)
+    if mod == "relative":  # summed by XLA's scatter-add in no fixed order: two runs of the
+        # same JAX program differ by up to ~4e-5 here (H100), so not bitwise
+        torch.testing.assert_close(direct[7], through_jax[7], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
