@@ -59,8 +59,9 @@ class DirectProgram:
         device = tensors[0].device
         outputs = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
                    for shape, dtype in launch.outputs]
-        launch(operands, [out.data_ptr() for out in outputs],
-               torch._C._cuda_getCurrentRawStream(index))
+        if not launch(operands, [out.data_ptr() for out in outputs],
+                      torch._C._cuda_getCurrentRawStream(index), index):
+            return None  # the kernel is loaded on another GPU
         return [outputs[i] for i in launch.results]
 
     def _launch_for(self, tensors: Sequence[Tensor]):

@@ -63,6 +63,29 @@ def test_a_program_with_more_than_the_kernel_is_not_launched_directly(pallas_tra
     assert launch.single_kernel_launch(program, *args) is None
 
 
+class _FakeKernel:
+    """What KernelLaunch reads of a Triton CompiledKernel; `run` records its launches."""
+
+    def __init__(self):
+        self.asm, self.function, self.packed_metadata = {"ttir": ""}, "function", "metadata"
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+def test_a_kernel_launches_only_on_the_gpu_it_was_loaded_on():
+    kernel = _FakeKernel()
+    first, second = (launch.KernelLaunch((0,), (((4,), np.float32),), (0,), kernel, (2, 1, 1))
+                     for _ in range(2))
+    assert first([16], [32], 7, device=1)
+    assert kernel.launches == [(2, 1, 1, 7, "function", "metadata", None, None, None, 16, 32)]
+    assert not first([16], [32], 7, device=0)
+    assert not second([16], [32], 7, device=0)  # the same compiled kernel, another launch
+    assert second([16], [32], 7, device=1) and len(kernel.launches) == 2
+    assert first.alignment == 1  # no tt.divisibility in the IR: no assumption
+
+
 @pytest.mark.gpu
 def test_direct_launch_writes_what_jax_computes():
     """The launch's kernel on JAX-owned buffers (stream 0, after JAX has finished) gives the
@@ -79,8 +102,9 @@ def test_direct_launch_writes_what_jax_computes():
     operands = [q, k, v, *lists]
     outputs = [jnp.full(shape, np.nan, dtype) for shape, dtype in found.outputs]
     jax.block_until_ready((expected, operands, outputs))
-    found([x.unsafe_buffer_pointer() for x in operands],
-          [x.unsafe_buffer_pointer() for x in outputs], 0)
+    assert found([x.unsafe_buffer_pointer() for x in operands],
+                 [x.unsafe_buffer_pointer() for x in outputs], 0,
+                 jax.devices()[0].local_hardware_id)
     assert ctypes.CDLL("libcuda.so.1").cuStreamSynchronize(None) == 0  # JAX does not know
     np.testing.assert_array_equal(np.asarray(outputs[found.results[0]], np.float32),
                                   np.asarray(expected, np.float32))

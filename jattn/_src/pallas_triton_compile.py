@@ -29,8 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.tiling import COMPILERS
 
 _PARAM = re.compile(r"\.param\s")
-_RECORDING = threading.local()
 _DOT = re.compile(r"(= tt\.dot [^:\n]*?)( : tensor<)")
+_RECORDING = threading.local()  # .kernels: the list `recording_kernels` fills, if any
 
 
 @dataclasses.dataclass(frozen=True)

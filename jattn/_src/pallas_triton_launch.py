@@ -27,6 +27,9 @@ _WRAPPERS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
              "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
              "custom_vjp_call_jaxpr": "fun_jaxpr"}
 _DIVISIBILITY = re.compile(r"tt\.divisibility = (\d+)")  # a pointer's assumed alignment
+# A compiled kernel -> the GPU index whose context Triton loaded it into (the kernels live in
+# pallas_triton_compile's cache anyway).
+_LOADED_ON: dict[object, int] = {}
 
 
 class KernelLaunch:
@@ -46,17 +49,24 @@ class KernelLaunch:
         self.alignment = max(map(int, _DIVISIBILITY.findall(kernel.asm["ttir"])), default=1)
         self._kernel, self._grid, self._run = kernel, grid, None
 
-    def __call__(self, operands: Sequence[int], outputs: Sequence[int], stream: int) -> None:
-        """Queues the kernel on `stream` (a CUDA stream handle, 0 the legacy default) of the
-        current device, reading the buffers at the addresses `operands` (in `self.operands`
-        order) and writing those at `outputs`. The first call loads the kernel into the
-        current CUDA context: later calls must find the same device current."""
+    def __call__(self, operands: Sequence[int], outputs: Sequence[int], stream: int,
+                 device: int) -> bool:
+        """Queues the kernel on `stream` (a CUDA stream handle, 0 the legacy default) of GPU
+        `device`, which must be the current one, reading the buffers at the addresses
+        `operands` (in `self.operands` order) and writing those at `outputs`. False, and
+        nothing queued, where the kernel is loaded on another GPU (Triton loads a compiled
+        kernel into one context: the first device it is launched on)."""
         run = self._run
         if run is None:
             kernel = self._kernel
+            if _LOADED_ON.setdefault(kernel, device) != device:
+                return False
             run = self._run = functools.partial(kernel.run, *self._grid)
             self._bound = (kernel.function, kernel.packed_metadata, None, None, None)
+        elif _LOADED_ON[self._kernel] != device:
+            return False
         run(stream, *self._bound, *operands, *outputs)
+        return True
 
 
 def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLaunch | None:
