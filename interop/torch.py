@@ -165,7 +165,9 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=
     tensors they close over passed to the kernels — or JAX functions such as `jattn.mods`.
     block_mask is a torch BlockMask (from `create_block_mask` below or torch's builder).
     Returns out [B, Hq, L, Ev] (and the float32 natural-log LSE [B, Hq, L] with return_lse);
-    differentiable in q, k, v and floating-point tensors the score_mod closes over.
+    differentiable in q, k, v and floating-point tensors the score_mod closes over. In eager
+    mode on CUDA, a forward that is one kernel compiled by the `triton` package is launched on
+    torch's current stream without going through JAX (same kernel, same bits; README).
     """
     L, S = q.shape[-2], k.shape[-2]
     if torch.compiler.is_compiling():
