@@ -348,8 +348,9 @@ def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
 
 @pytest.mark.gpu
 def test_tensors_the_kernel_cannot_take_in_place_go_through_jax(monkeypatch):
-    """A non-contiguous q and a q at an address not 32-byte aligned are not launched
-    directly (JAX's path runs: one copy, resp. XLA's own handling) and give the same bits."""
+    """A non-contiguous q and a q at an odd address are not launched directly; JAX's path
+    runs on a copy of each (XLA's GPU runtime rejects unaligned buffers) and gives the same
+    bits."""
     q, k, v = (x.detach() for x in _qkv(torch.bfloat16, "cuda"))
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
