@@ -1,7 +1,8 @@
 """jattn's GEMMs as torch custom ops: jattn::matmul, bmm, mm_plus_mm, b2b_matmul, scaled_matmul
 and mixed_matmul, each with a jattn::<name>_backward op running `jax.vjp` of the same jattn
 function (so torch gradients equal JAX's bit for bit), a fake for torch.compile and, for eager
-mode, an autograd.Function twin (`run_op`).
+mode, an autograd.Function twin (`run_op`). On CUDA a forward that is one kernel compiled by the
+`triton` package is launched on torch's stream without JAX (`_direct`).
 
 Every op is described once (`GemmOp`: the jattn function, its tensor arguments, its static
 options, the tensors it is differentiable in, its output's fake) and registered by one function.
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor
 
 import jattn
+from interop._direct import DirectProgram
 from interop._dlpack import DTYPES, to_torch
 from interop._ops import implementation_for, needs_autograd, ready_views
 
@@ -120,8 +122,27 @@ def register(spec: GemmOp):
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
         return options, implementation_for(spec.name, device, args[-1])
 
+    @functools.cache
+    def direct_program(options, implementation, present: tuple[bool, ...]) -> DirectProgram:
+        """The forward as a DirectProgram on the tensors that are not None (present: which
+        of the op's tensor arguments are)."""
+        def pack(tensors):
+            given = iter(tensors)
+            return tuple(next(given) if p else None for p in present)
+        return DirectProgram(forward_program(options, implementation), pack)
+
     def run_forward(*args) -> Tensor:
-        device, arrays = ready_views(spec.name, args[:n], names)
+        tensors = args[:n]
+        first = tensors[0]
+        if isinstance(first, Tensor) and first.is_cuda:
+            options, implementation = static(args, first.device)
+            if implementation == "pallas_triton":  # one kernel: launched without JAX
+                program = direct_program(options, implementation,
+                                         tuple(t is not None for t in tensors))
+                result = program([t for t in tensors if t is not None])
+                if result is not None:
+                    return result[0]
+        device, arrays = ready_views(spec.name, tensors, names)
         return to_torch(forward_program(*static(args, device))(*arrays), device)
 
     def run_backward(grad, *args) -> list[Tensor]:

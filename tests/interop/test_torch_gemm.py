@@ -100,6 +100,25 @@ def test_bad_input_raises():
         jt.matmul(a, torch.randn(12, 4))
 
 
+def _through_jax_only(*args, **kwargs):
+    raise AssertionError("this call was expected to launch its kernel without JAX")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_direct_launch_gives_jattn_bits(monkeypatch, with_bias):
+    """On CUDA a 2-D matmul (one kernel, compiled by `triton`) is launched without JAX (JAX's
+    path raises here) and equals jattn.matmul run by JAX bit for bit."""
+    a, b, bias = (x.detach() for x in _tensors("matmul", torch.bfloat16, "cuda"))
+    a, bias = a[0], bias if with_bias else None
+    expected = jax.jit(lambda a, b, bias: jattn.matmul(a, b, bias=bias))(
+        *(None if x is None else jax.dlpack.from_dlpack(x) for x in (a, b, bias)))
+    with monkeypatch.context() as patched:
+        patched.setattr(_gemm_ops, "ready_views", _through_jax_only)
+        out = jt.matmul(a, b, bias)
+    np.testing.assert_array_equal(out.float().cpu().numpy(), np.asarray(expected, np.float32))
+
+
 @pytest.mark.gpu
 def test_ordered_with_torch_work_on_a_side_stream():
     """Inputs written by torch kernels queued (behind a GPU sleep) on a non-default stream just

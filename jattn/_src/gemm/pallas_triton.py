@@ -244,8 +244,13 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     """Sum of op(a) @ op(b) over `pairs` (same M and N, each its own K) in one pallas_call.
 
     scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
-    "col" [1, N] or "tensor" [1, 1]. max_num_imprecise_acc: Triton's fp8 accumulation knob; a
-    value compiles the kernel with the `triton` package (see pallas_triton_compile).
+    "col" [1, N] or "tensor" [1, 1]. max_num_imprecise_acc: Triton's fp8 accumulation knob (see
+    pallas_triton_compile).
+
+    Compiler: the `triton` package where installed, except for kernels with a user epilogue.
+    H100 A/B, same kernels (benchmarks/RESULTS.md): without an epilogue its code ran at
+    0.98-1.02x XLA's compile of it at every bench_matmul shape, with bitwise equal results
+    (and interop can then launch it without JAX); with the gelu epilogue at 0.91x.
     """
     a, b = pairs[0]
     m = a.shape[1] if transpose_a else a.shape[0]
@@ -293,8 +298,8 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
         out_specs=out_specs,
         compiler_params=compiler_params(
             config.num_warps, config.num_stages,
-            compiler="xla" if max_num_imprecise_acc is None else "triton",
-            max_num_imprecise_acc=max_num_imprecise_acc),
+            compiler="xla" if epilogue is not None and max_num_imprecise_acc is None
+            else "triton", max_num_imprecise_acc=max_num_imprecise_acc),
         interpret=interpret,
         name=name,
     )(*operands)
