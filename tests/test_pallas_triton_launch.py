@@ -112,5 +112,11 @@ def test_direct_launch_writes_what_jax_computes():
 
 @pytest.mark.gpu
 def test_a_kernel_compiled_by_xla_is_not_launched_directly():
+    """A GEMM with a user epilogue is compiled by XLA's Triton: only JAX can launch it."""
     a = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
-    assert launch.single_kernel_launch(jax.jit(jattn.matmul), a, a) is None
+
+    def with_gelu(a, b):
+        return jattn.matmul(a, b, epilogue=lambda x, rows, cols: jax.nn.gelu(x))
+
+    assert launch.single_kernel_launch(jax.jit(jattn.matmul), a, a) is not None
+    assert launch.single_kernel_launch(jax.jit(with_gelu), a, a) is None
