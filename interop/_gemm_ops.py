@@ -132,18 +132,17 @@ def register(spec: GemmOp):
         return DirectProgram(forward_program(options, implementation), pack)
 
     def run_forward(*args) -> Tensor:
-        tensors = args[:n]
+        tensors, options = args[:n], None
         first = tensors[0]
         if isinstance(first, Tensor) and first.is_cuda:
-            options, implementation = static(args, first.device)
-            if implementation == "pallas_triton":  # one kernel: launched without JAX
-                program = direct_program(options, implementation,
-                                         tuple(t is not None for t in tensors))
+            options = static(args, first.device)  # the device ready_views finds, or it raises
+            if options[1] == "pallas_triton":  # one kernel: launched without JAX
+                program = direct_program(*options, tuple(t is not None for t in tensors))
                 result = program([t for t in tensors if t is not None])
                 if result is not None:
                     return result[0]
         device, arrays = ready_views(spec.name, tensors, names)
-        return to_torch(forward_program(*static(args, device))(*arrays), device)
+        return to_torch(forward_program(*(options or static(args, device)))(*arrays), device)
 
     def run_backward(grad, *args) -> list[Tensor]:
         """[a gradient for each tensor of spec.grads that is not None]"""
