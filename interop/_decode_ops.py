@@ -32,11 +32,12 @@ _FN = "flex_decode"
 # ------------------------------------------------------------------------------------------------
 
 
-def check_no_grad(tensors: tuple[Tensor, ...], names: tuple[str, ...]) -> None:
-    """Raises NotImplementedError when grad mode is on and a tensor requires grad (names: the
-    tensors', for the error)."""
+def check_no_grad(tensors: tuple[Tensor, ...]) -> None:
+    """Raises NotImplementedError when grad mode is on and a tensor (q, k, v, then captured
+    tensors) requires grad."""
     if not _ops.needs_autograd(tensors):
         return
+    names = ("q", "k", "v", *(f"captured tensor {i}" for i in range(len(tensors) - 3)))
     names = [name for name, t in zip(names, tensors) if t.requires_grad]
     if names:
         raise NotImplementedError(
@@ -131,8 +132,8 @@ def _decode(q, k, v, page_table, kv_len, mask_arrays, captures, *, mods, block_s
             seq_lengths, scale, implementation):
     """(out, lse) of jattn.flex_decode; with a page table, k and v are a PagedKVCache's pools.
     mask_arrays: the kv-major lists."""
-    score, mask = _ops.MODS[mods]
-    n_score = 0 if score is None else len(score.captures)
+    score, mask = _ops.translated_mods(mods)
+    n_score = 0 if score is None else score.n_captures
     score_mod = None if score is None else score.bind(captures[:n_score])
     mask_mod = None if mask is None else mask.bind(captures[n_score:])
     block_mask = _ops.jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
@@ -183,7 +184,7 @@ def flex_decode(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor],
     """jattn::flex_decode: the custom-op node under torch.compile; in eager mode its
     implementation, called directly (nothing for autograd to record, and the dispatcher's
     per-call cost saved)."""
-    check_no_grad((q, k, v, *captures), _ops.tensor_names(("q", "k", "v"), 0, len(captures)))
+    check_no_grad((q, k, v, *captures))
     if torch.compiler.is_compiling():
         return flex_decode_op(q, k, v, page_table, kv_len, mask_tensors, captures, *static)
     return _decode_forward(q, k, v, page_table, kv_len, mask_tensors, captures, *static)

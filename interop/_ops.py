@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
+import types
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -28,8 +31,9 @@ from torch import Tensor
 
 import jattn
 from interop._direct import DirectProgram
+from interop._capture import capture, lookup
 from interop._dlpack import jax_views, to_torch, wait_for_torch
-from interop._translate import TranslatedMod, is_torch_mod, translate
+from interop._translate import TranslatedMod
 from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
 
 # ------------------------------------------------------------------------------------------------
@@ -70,50 +74,79 @@ def needs_autograd(tensors) -> bool:
 # flex attention
 # ------------------------------------------------------------------------------------------------
 
-# Mods cannot be op arguments, so ops receive a key into this registry (a constant string in a
-# torch.compile graph), translated to JAX once per key.
-MODS: dict[str, tuple[TranslatedMod | None, TranslatedMod | None]] = {}
-# (identity of score_mod, of mask_mod) -> key, and the mods themselves (keeping the ids in each
-# identity alive, hence unique).
-_KEYS: dict[tuple, str] = {}
-_MOD_OBJECTS: dict[str, tuple] = {}
+# Mods cannot be op arguments, so ops receive a key naming their translations (a constant string
+# in a torch.compile graph): "score key,mask key", either empty when there is no such mod.
 
 
-def as_jax_mod(mod, kind: str) -> TranslatedMod | None:
-    """torch-written mods are translated (their captured tensors become op inputs); JAX mods
-    are used as they are (arrays they close over stay JAX constants)."""
-    if mod is None:
-        return None
-    if is_torch_mod(mod, kind):
-        return translate(mod, kind)
-    return TranslatedMod(lambda captures, *args: mod(*args), ())
+def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
+    """The op key of (score_mod, mask_mod) and the tensors they read now: score_mod's, then
+    mask_mod's (see `interop._capture`)."""
+    score, score_tensors = (None, ()) if score_mod is None else capture(score_mod, "score")
+    mask, mask_tensors = (None, ()) if mask_mod is None else capture(mask_mod, "mask")
+    key = f"{'' if score is None else score.key},{'' if mask is None else mask.key}"
+    return key, (*score_tensors, *mask_tensors)
 
 
-def _identity(mod) -> tuple[int, ...]:
-    """Who a mod is: its code and the objects it closes over, so a lambda re-created on every
-    call with the same captures reuses one translation and one compiled kernel."""
-    code = getattr(mod, "__code__", None)
-    if code is None:
-        return (id(mod),)
-    return (id(code), *(id(cell.cell_contents) for cell in mod.__closure__ or ()))
+def _parts(mod) -> tuple:
+    """A mod as parts Dynamo can hand to `_key_while_tracing` (it converts functions, objects
+    and tensors, not bound methods or partials): ("method", function, self),
+    ("partial", function, n_args, *args, *keyword names, *keyword values) or ("plain", mod)."""
+    if isinstance(mod, types.MethodType):
+        return ("method", mod.__func__, mod.__self__)
+    if isinstance(mod, functools.partial):
+        names = tuple(mod.keywords)
+        return ("partial", mod.func, len(mod.args), *mod.args, *names,
+                *(mod.keywords[n] for n in names))
+    return ("plain", mod)
 
 
-@torch._dynamo.assume_constant_result  # runs (and registers) at trace time; the key is a constant
-def register_mods(score_mod, mask_mod) -> str:
-    """The op key for a (score_mod, mask_mod) pair, each torch-written, JAX or None."""
-    identity = (_identity(score_mod), _identity(mask_mod))
-    key = _KEYS.get(identity)
-    if key is None:
-        key = f"mods{len(_KEYS)}"
-        MODS[key] = (as_jax_mod(score_mod, "score"), as_jax_mod(mask_mod, "mask"))
-        _MOD_OBJECTS[key] = (score_mod, mask_mod)
-        _KEYS[identity] = key
-    return key
+def _rebuild(parts: tuple):
+    kind, fn, *rest = parts
+    if kind == "method":
+        return types.MethodType(fn, rest[0])
+    if kind == "partial":
+        n_args, rest = rest[0], rest[1:]
+        args, keywords = rest[:n_args], rest[n_args:]
+        half = len(keywords) // 2
+        return functools.partial(fn, *args, **dict(zip(keywords[:half], keywords[half:])))
+    return fn
 
 
-def mod_captures(key: str) -> list[Tensor]:
-    """The torch tensors the mods of `key` close over: score_mod's, then mask_mod's."""
-    return [t for mod in MODS[key] if mod is not None for t in mod.captures]
+@torch._dynamo.assume_constant_result  # runs (and translates) at trace time: a constant key
+def _key_while_tracing(n_score: int, *parts) -> str:
+    score = _rebuild(parts[:n_score]) if n_score else None
+    mask = _rebuild(parts[n_score:]) if len(parts) > n_score else None
+    return capture_mods(score, mask)[0]
+
+
+def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
+    """`capture_mods` inside torch.compile: the key is fixed at trace time; every value the
+    translation depends on is read where the mods read it, so that Dynamo guards on it (a
+    changed scalar re-traces), and the tensors they read become graph inputs (new values
+    reach the op without recompiling)."""
+    score_parts = () if score_mod is None else _parts(score_mod)
+    mask_parts = () if mask_mod is None else _parts(mask_mod)
+    key = _key_while_tracing(len(score_parts), *score_parts, *mask_parts)
+    tensors, state = [], []
+    for mod, name in zip((score_mod, mask_mod), key.split(",")):
+        if name:
+            translation = lookup(name)
+            if translation.is_torch:
+                state.extend(translation.read_state(mod))
+                tensors.extend(translation.fetch(mod))
+    _guard_on(*state)
+    return key, tensors
+
+
+@torch._dynamo.assume_constant_result  # its arguments are realised, hence guarded, at trace time
+def _guard_on(*values) -> int:
+    return 0
+
+
+def translated_mods(key: str) -> tuple[TranslatedMod | None, TranslatedMod | None]:
+    """The (score, mask) translations an op key names."""
+    score, mask = key.split(",")
+    return (lookup(score).mod if score else None, lookup(mask).mod if mask else None)
 
 
 # Order of a BlockMask's lists among an op's mask tensors: partial lists, then full ones if any.
@@ -151,8 +184,8 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
     kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
     backward."""
-    score, mask = MODS[mods]
-    n_score = 0 if score is None else len(score.captures)
+    score, mask = translated_mods(mods)
+    n_score = 0 if score is None else score.n_captures
 
     def call(q, k, v, *rest, mask_arrays, capture_arrays, **kwargs):
         score_mod = None if score is None else score.bind(capture_arrays[:n_score])
@@ -167,7 +200,7 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
 _FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # bounded: mods re-translated after a changed scalar add keys
 def _flex_program(return_lse: bool, **static) -> Callable:
     """The jitted forward for one set of static options (bound, not passed per call: cheaper
     to dispatch): (q, k, v, mask_arrays, captures) -> out, or (out, lse) with return_lse;
@@ -194,7 +227,7 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
                          for c, d, wanted in zip(captures, d_captures, learnable) if wanted)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1024)
 def tensor_names(leading: tuple[str, ...], n_masks: int, n_captures: int, *,
                  kv_only: bool = False) -> tuple[str, ...]:
     """Argument names of an op's tensors, for errors: `leading`, then its mask lists (in
@@ -307,9 +340,8 @@ class _EagerFlex(torch.autograd.Function):
     """jattn::flex_attention outside torch.compile; captured tensors come flat so autograd sees
     them, the mask lists (integers, never differentiated) in a list it does not look into:
     each tensor argument adds to the Function's per-call cost. A forward run by JAX keeps out
-    and LSE as JAX arrays for the backward (no crossing back), the LSE crossing to torch only
-    when the caller asked for it (each crossing costs ~25 us); a forward launched directly
-    makes both tensors."""
+    and LSE as JAX arrays for the backward (no crossing back); the LSE handed to the caller is
+    a copy, theirs to edit in place. A forward launched directly makes both tensors."""
 
     @staticmethod
     def forward(ctx, plan, masks, return_lse, q, k, v, *captures):
@@ -317,11 +349,13 @@ class _EagerFlex(torch.autograd.Function):
         direct = None if plan.direct is None else plan.direct[True](
             (q, k, v, *kv_lists, *captures))
         if direct is not None:
-            (out_tensor, lse_tensor), ctx.arrays = direct, direct
+            out_tensor, lse_tensor = direct
+            ctx.arrays = out_tensor, lse_tensor
+            lse_tensor = lse_tensor.clone() if return_lse else None
         else:
-            (out, lse), device = _run_plan(plan, q, k, v, kv_lists, return_lse=True)
+            (out, lse), device = _run_plan(plan, q, k, v, kv_lists, captures, return_lse=True)
             out_tensor = to_torch(out, device)
-            lse_tensor = to_torch(lse, device) if return_lse else None
+            lse_tensor = to_torch(lse, device).clone() if return_lse else None
             ctx.arrays = out, lse  # the backward reads them without crossing back
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
         ctx.masks, ctx.static = masks, plan.static
@@ -352,78 +386,82 @@ def traced_flex(q, k, v, masks, captures, *static, return_lse: bool):
 @dataclasses.dataclass(frozen=True)
 class FlexPlan:
     """What an eager flex_attention call needs besides its tensors, worked out once per
-    (mods, mask layout, lengths, options, device type) and kept in `FLEX_PLANS`: each call
-    then costs a dictionary lookup instead of the mods' registration, the options' checks and
-    jit's static-argument handling (per-call overhead is issue 4's target).
+    (mods' translations, mask layout, lengths, options, device type) and kept in
+    `FLEX_PLANS`: each call then costs a dictionary lookup instead of the options' checks and
+    jit's static-argument handling.
 
     static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
-    implementation as given). captures: the tensors the mods close over. names: the argument
-    names of (q, k, v, kv-major mask lists, captures), for errors. forward, forward_lse: the
-    jitted programs (q, k, v, mask arrays, capture arrays) -> out, or (out, lse). direct:
-    for the Pallas kernels on CUDA, the two as `DirectProgram`s on (q, k, v, kv-major lists,
-    captures), launched without JAX where they are one kernel; else None. mods: the
-    (score_mod, mask_mod) objects, kept alive so the ids in the plan's key stay theirs.
+    implementation as given). names: the argument names of (q, k, v, kv-major mask lists,
+    captured tensors), for errors. forward, forward_lse: the jitted programs (q, k, v, mask
+    arrays, capture arrays) -> out, or (out, lse). direct: for the Pallas kernels on CUDA,
+    the two as `DirectProgram`s on (q, k, v, kv-major lists, captures), launched without JAX
+    where they are one kernel; else None.
     """
 
     static: tuple
-    captures: tuple[Tensor, ...]
     names: tuple[str, ...]
     forward: Callable
     forward_lse: Callable
     direct: tuple[DirectProgram, DirectProgram] | None
-    mods: tuple
 
 
-# (id(score_mod), id(mask_mod), block size, seq lengths, number of kv-major lists, L, S,
-# scale, enable_gqa, implementation, device type) -> FlexPlan.
-FLEX_PLANS: dict[tuple, FlexPlan] = {}
-_MAX_FLEX_PLANS = 256  # mods re-created on every call make a plan each: the dict is bounded
+# (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
+# scale, enable_gqa, implementation, device type) -> FlexPlan, the most recently used kept.
+FLEX_PLANS: OrderedDict[tuple, FlexPlan] = OrderedDict()
+_MAX_FLEX_PLANS = 256
 
 
-def new_flex_plan(key: tuple, score_mod, mask_mod, device: torch.device) -> FlexPlan:
-    """The plan of `key` (FLEX_PLANS' layout), registered there. The caller has validated the
+def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
+    """The plan of `key` (FLEX_PLANS' layout), made on first use. The caller has validated the
     mask layout."""
-    _, _, block_size, seq_lengths, n_lists, *_, scale, enable_gqa, implementation, _ = key
-    mods = register_mods(score_mod, mask_mod)
+    plan = FLEX_PLANS.get(key)
+    if plan is not None:
+        return plan
+    mods, block_size, seq_lengths, n_lists, n_captures, *_, scale, enable_gqa, \
+        implementation, _ = key
     static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation)
     options = _flex_static(device, *static)
-    captures = tuple(mod_captures(mods))
-    if len(FLEX_PLANS) >= _MAX_FLEX_PLANS:
-        FLEX_PLANS.clear()
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None
     if options["implementation"] == "pallas_triton":
         def pack(tensors, n=3 + n_lists):  # flat tensors -> the programs' arguments
             return (*tensors[:3], tensors[3:n], tensors[n:])
         direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)
-    plan = FLEX_PLANS[key] = FlexPlan(
-        static, captures, tensor_names(_FORWARD_TENSORS, n_lists, len(captures), kv_only=True),
-        forward, forward_lse, direct, (score_mod, mask_mod))
+    plan = FlexPlan(static, tensor_names(_FORWARD_TENSORS, n_lists, n_captures, kv_only=True),
+                    forward, forward_lse, direct)
+    with _PLANS_LOCK:
+        FLEX_PLANS[key] = plan
+        while len(FLEX_PLANS) > _MAX_FLEX_PLANS:
+            FLEX_PLANS.popitem(last=False)
     return plan
 
 
-def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], all_lists, *,
-             return_lse: bool):
+_PLANS_LOCK = threading.Lock()
+
+
+def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequence[Tensor],
+             all_lists, *, return_lse: bool):
     """jattn::flex_attention in eager mode: its autograd.Function twin when a gradient is
     needed (all_lists(): every mask list, MASK_FIELDS order), else the plan's program alone
-    on q, k, v and the kv-major lists: its one kernel launched directly where it can be."""
-    if needs_autograd((q, k, v, *plan.captures)):
-        return _EagerFlex.apply(plan, all_lists(), return_lse, q, k, v, *plan.captures)
+    on q, k, v, the kv-major lists and the captured tensors: its one kernel launched directly
+    where it can be."""
+    if needs_autograd((q, k, v, *captures)):
+        return _EagerFlex.apply(plan, all_lists(), return_lse, q, k, v, *captures)
     if plan.direct is not None:
-        result = plan.direct[return_lse]((q, k, v, *kv_lists, *plan.captures))
+        result = plan.direct[return_lse]((q, k, v, *kv_lists, *captures))
         if result is not None:
             return tuple(result) if return_lse else result[0]
-    result, device = _run_plan(plan, q, k, v, kv_lists, return_lse=return_lse)
+    result, device = _run_plan(plan, q, k, v, kv_lists, captures, return_lse=return_lse)
     if not return_lse:
         return to_torch(result, device)
     return to_torch(result[0], device), to_torch(result[1], device)
 
 
-def _run_plan(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], *, return_lse: bool):
-    """The plan's program on q, k, v, the kv-major lists and the plan's captures: (its JAX
+def _run_plan(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequence[Tensor],
+              *, return_lse: bool):
+    """The plan's program on q, k, v, the kv-major lists and the captured tensors: (its JAX
     result, the tensors' device)."""
-    device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *plan.captures),
-                                 plan.names)
+    device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *captures), plan.names)
     n = 3 + len(kv_lists)
     program = plan.forward_lse if return_lse else plan.forward
     return program(*arrays[:3], arrays[3:n], arrays[n:]), device

@@ -1,36 +1,78 @@
-"""Torch-written score_mod / mask_mod -> JAX functions.
+"""A torch-written mod's graph -> a JAX function.
 
-The mod is traced once with `make_fx` on small index tensors (b, h [1, 1], q_idx [2, 1],
-kv_idx [1, 2], score [2, 2]) to a graph of aten ops; each op maps to its jnp counterpart, so the
-JAX function works at any broadcastable shape (the kernels' tiles). Tensors the mod closes over
-(bias tables, slopes, document ids) become inputs of the translated function, so they can be
-handed to the kernels as captured arrays and receive gradients.
+`interop._capture` has Dynamo trace the mod on 0-d index tensors, as torch FlexAttention
+traces it: the mod sees scalars, so chained indexing (`bias[b][h][q_idx]`), 0-d tensor indices
+and `new_*` constructors mean what they mean in torch. The graph is lowered to core ATen with
+torch's own decompositions (`make_fx`), and each core op is interpreted with its jnp
+counterpart. The JAX function then runs on broadcastable index arrays (a kernel tile):
+
+- a value derived from the mod's arguments ("batched") is an array of the tile's broadcast
+  shape standing for one scalar per position, so elementwise ops apply as they are;
+- a value derived only from captured tensors and constants ("unbatched") is an array with
+  torch's shape (a captured table, a sum over it);
+- indexing an unbatched tensor with scalars is kept lazy until every dimension is indexed, so
+  `bias[b][h][q_idx][kv_idx]` becomes the single point lookup the kernels turn into an indexed
+  load (`jattn._src.pallas_triton_lookup`), never a slice of the table per position.
+
+A mod that builds batched values that are not scalars per position (say a row of a table per
+query, reduced afterwards) runs through `jax.vmap` of the scalar function instead: correct
+everywhere, though such a graph may not lower into a Triton kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
+from torch._decomp import core_aten_decompositions
 from torch.fx.experimental.proxy_tensor import make_fx
 
 aten = torch.ops.aten
+DECOMPOSITIONS = core_aten_decompositions()
 
-_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16, torch.bfloat16: jnp.bfloat16,
-           torch.float64: jnp.float32, torch.int32: jnp.int32, torch.int64: jnp.int32,
-           torch.bool: jnp.bool_}
+# torch dtype -> the JAX dtype a mod computes in (64-bit types narrowed: JAX runs without x64).
+_DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16,
+           torch.bfloat16: jnp.bfloat16, torch.float64: jnp.float32, torch.int8: jnp.int8,
+           torch.uint8: jnp.uint8, torch.int16: jnp.int16, torch.int32: jnp.int32,
+           torch.int64: jnp.int32, torch.bool: jnp.bool_}
 
 
-def _div_mode(a, b, rounding_mode=None):
+def jax_dtype(dtype: torch.dtype):
+    if dtype not in _DTYPES:
+        raise NotImplementedError(f"a mod computes in {dtype}, which jattn does not support")
+    return _DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------------------------------
+# Core ATen ops -> jnp, at torch's semantics for one position
+# ------------------------------------------------------------------------------------------------
+
+def _alpha(fn):
+    def apply(a, b, alpha=1):
+        return fn(a, b if alpha == 1 else b * alpha)
+    return apply
+
+
+def _div(a, b, rounding_mode=None):
     if rounding_mode == "floor":
         return jnp.floor_divide(a, b)
     if rounding_mode == "trunc":
-        return jnp.trunc(jnp.true_divide(a, b)).astype(jnp.result_type(a, b))
+        if jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
+            return lax_div(a, b)
+        return jnp.trunc(jnp.true_divide(a, b))
     return jnp.true_divide(a, b)
+
+
+def lax_div(a, b):
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dtype = jnp.result_type(a, b)
+    return jax.lax.div(a.astype(dtype), b.astype(dtype))  # rounds toward zero, as C
 
 
 def _clamp(x, min=None, max=None):  # noqa: A002  (aten's argument names)
@@ -39,132 +81,409 @@ def _clamp(x, min=None, max=None):  # noqa: A002  (aten's argument names)
     return x if max is None else jnp.minimum(x, max)
 
 
-def _index(x, indices):
-    return x[tuple(slice(None) if i is None else i for i in indices)]
+def _gelu(x, approximate="none"):
+    return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
-def _scalar_tensor(value, dtype=None, **_):
-    return jnp.asarray(value, _DTYPES.get(dtype, jnp.float32))
+def _full(size, value, *, dtype=None, **_):
+    return jnp.full(tuple(size), value, None if dtype is None else jax_dtype(dtype))
 
 
-def _to_copy(x, dtype=None, **_):
-    return x if dtype is None else x.astype(_DTYPES[dtype])
+def _full_like(x, value, *, dtype=None, **_):
+    return jnp.full(jnp.shape(x), value, jax_dtype(dtype) if dtype else jnp.result_type(x))
+
+
+def _scalar_tensor(value, *, dtype=None, **_):
+    return jnp.asarray(value, jax_dtype(dtype) if dtype else jnp.float32)
+
+
+def _to_copy(x, *, dtype=None, **_):
+    return x if dtype is None else jnp.asarray(x).astype(jax_dtype(dtype))
 
 
 def _identity(x, *_, **__):
     return x
 
 
-# aten op -> jnp function, for the ops a mod is made of.
-_OPS: dict = {
-    aten.add.Tensor: operator.add, aten.add.Scalar: operator.add,
-    aten.sub.Tensor: operator.sub, aten.sub.Scalar: operator.sub,
-    aten.rsub.Scalar: lambda a, b: b - a,
+def _arange(start, end=None, step=1, *, dtype=None, **_):
+    if end is None:
+        start, end = 0, start
+    return jnp.arange(start, end, step, None if dtype is None else jax_dtype(dtype))
+
+
+def _reduction(fn):
+    def apply(x, dim=None, keepdim=False, *, dtype=None, **_):
+        axis = None if dim is None or dim == [] else tuple(dim) if isinstance(
+            dim, (list, tuple)) else dim
+        out = fn(x, axis=axis, keepdims=keepdim)
+        return out if dtype is None else out.astype(jax_dtype(dtype))
+    return apply
+
+
+def _max_dim(fn, arg_fn):
+    def apply(x, dim, keepdim=False):
+        return fn(x, axis=dim, keepdims=keepdim), arg_fn(x, axis=dim, keepdims=keepdim)
+    return apply
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    index = [slice(None)] * jnp.ndim(x)
+    index[dim] = slice(start, None if end is None or end >= 2**62 else end, step)
+    return x[tuple(index)]
+
+
+def _pow(a, b):
+    if isinstance(b, (int, float)) and not isinstance(b, bool) and b == 0.5:
+        return jnp.sqrt(a)
+    return jnp.power(a, b)
+
+
+def _shift(fn):
+    def apply(a, b):
+        return fn(a, jnp.asarray(b, jnp.result_type(a)))
+    return apply
+
+
+# aten op -> its jnp twin on arrays that hold one value per position (broadcasting) or a whole
+# unbatched tensor (torch's shapes). The decompositions reduce a mod to these.
+OPS: dict = {
+    # arithmetic
+    aten.add.Tensor: _alpha(operator.add), aten.add.Scalar: _alpha(operator.add),
+    aten.sub.Tensor: _alpha(operator.sub), aten.sub.Scalar: _alpha(operator.sub),
+    aten.rsub.Scalar: lambda a, b, alpha=1: b - a * alpha,
+    aten.rsub.Tensor: lambda a, b, alpha=1: b - a * alpha,
     aten.mul.Tensor: operator.mul, aten.mul.Scalar: operator.mul,
-    aten.div.Tensor: jnp.true_divide, aten.div.Scalar: jnp.true_divide,
-    aten.div.Tensor_mode: _div_mode, aten.div.Scalar_mode: _div_mode,
-    aten.floor_divide.default: jnp.floor_divide,
-    aten.floor_divide.Scalar: jnp.floor_divide,
-    aten.remainder.Tensor: jnp.remainder, aten.remainder.Scalar: jnp.remainder,
-    aten.neg.default: jnp.negative, aten.abs.default: jnp.abs, aten.sign.default: jnp.sign,
-    aten.exp.default: jnp.exp, aten.exp2.default: jnp.exp2, aten.log.default: jnp.log,
-    aten.log2.default: jnp.log2, aten.tanh.default: jnp.tanh,
-    aten.sigmoid.default: jax.nn.sigmoid, aten.sqrt.default: jnp.sqrt,
-    aten.rsqrt.default: jax.lax.rsqrt, aten.sin.default: jnp.sin, aten.cos.default: jnp.cos,
-    aten.pow.Tensor_Scalar: jnp.power, aten.pow.Tensor_Tensor: jnp.power,
+    aten.div.Tensor: _div, aten.div.Scalar: _div, aten.div.Tensor_mode: _div,
+    aten.div.Scalar_mode: _div, aten.floor_divide.default: jnp.floor_divide,
+    aten.floor_divide.Scalar: jnp.floor_divide, aten.remainder.Tensor: jnp.remainder,
+    aten.remainder.Scalar: jnp.remainder, aten.fmod.Tensor: jnp.fmod,
+    aten.fmod.Scalar: jnp.fmod, aten.pow.Tensor_Scalar: _pow, aten.pow.Tensor_Tensor: _pow,
+    aten.pow.Scalar: _pow, aten.neg.default: jnp.negative, aten.abs.default: jnp.abs,
+    aten.sign.default: jnp.sign, aten.sgn.default: jnp.sign,
+    aten.reciprocal.default: jnp.reciprocal, aten.square.default: jnp.square,
     aten.minimum.default: jnp.minimum, aten.maximum.default: jnp.maximum,
+    aten.fmin.default: jnp.fmin, aten.fmax.default: jnp.fmax,
     aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
     aten.clamp_min.default: jnp.maximum, aten.clamp_max.default: jnp.minimum,
-    aten.where.self: jnp.where, aten.where.ScalarSelf: jnp.where,
-    aten.where.ScalarOther: jnp.where, aten.where.Scalar: jnp.where,
+    aten.clamp_min.Tensor: jnp.maximum, aten.clamp_max.Tensor: jnp.minimum,
+    aten.atan2.default: jnp.arctan2, aten.copysign.Tensor: jnp.copysign,
+    aten.hypot.default: jnp.hypot,
+    # transcendental and activation functions
+    aten.exp.default: jnp.exp, aten.exp2.default: jnp.exp2, aten.expm1.default: jnp.expm1,
+    aten.log.default: jnp.log, aten.log2.default: jnp.log2, aten.log10.default: jnp.log10,
+    aten.log1p.default: jnp.log1p, aten.sqrt.default: jnp.sqrt,
+    aten.rsqrt.default: jax.lax.rsqrt, aten.sin.default: jnp.sin, aten.cos.default: jnp.cos,
+    aten.tan.default: jnp.tan, aten.asin.default: jnp.arcsin, aten.acos.default: jnp.arccos,
+    aten.atan.default: jnp.arctan, aten.sinh.default: jnp.sinh, aten.cosh.default: jnp.cosh,
+    aten.tanh.default: jnp.tanh, aten.asinh.default: jnp.arcsinh,
+    aten.acosh.default: jnp.arccosh, aten.atanh.default: jnp.arctanh,
+    aten.sigmoid.default: jax.nn.sigmoid, aten.erf.default: jax.scipy.special.erf,
+    aten.erfc.default: jax.scipy.special.erfc, aten.erfinv.default: jax.scipy.special.erfinv,
+    aten.gelu.default: _gelu, aten.relu.default: jax.nn.relu,
+    aten.floor.default: jnp.floor, aten.ceil.default: jnp.ceil, aten.trunc.default: jnp.trunc,
+    aten.round.default: jnp.round, aten.frac.default: lambda x: x - jnp.trunc(x),
+    aten.isnan.default: jnp.isnan, aten.isinf.default: jnp.isinf,
+    # comparisons, logic, bits
+    aten.eq.Tensor: operator.eq, aten.eq.Scalar: operator.eq,
+    aten.ne.Tensor: operator.ne, aten.ne.Scalar: operator.ne,
     aten.ge.Tensor: operator.ge, aten.ge.Scalar: operator.ge,
     aten.gt.Tensor: operator.gt, aten.gt.Scalar: operator.gt,
     aten.le.Tensor: operator.le, aten.le.Scalar: operator.le,
     aten.lt.Tensor: operator.lt, aten.lt.Scalar: operator.lt,
-    aten.eq.Tensor: operator.eq, aten.eq.Scalar: operator.eq,
-    aten.ne.Tensor: operator.ne, aten.ne.Scalar: operator.ne,
     aten.logical_and.default: jnp.logical_and, aten.logical_or.default: jnp.logical_or,
     aten.logical_not.default: jnp.logical_not, aten.logical_xor.default: jnp.logical_xor,
-    aten.bitwise_and.Tensor: operator.and_, aten.bitwise_or.Tensor: operator.or_,
-    aten.bitwise_xor.Tensor: operator.xor, aten.bitwise_not.default: jnp.invert,
-    aten.bitwise_and.Scalar: operator.and_, aten.bitwise_or.Scalar: operator.or_,
-    aten.index.Tensor: _index, aten.scalar_tensor.default: _scalar_tensor,
+    aten.bitwise_and.Tensor: jnp.bitwise_and, aten.bitwise_and.Scalar: jnp.bitwise_and,
+    aten.bitwise_or.Tensor: jnp.bitwise_or, aten.bitwise_or.Scalar: jnp.bitwise_or,
+    aten.bitwise_xor.Tensor: jnp.bitwise_xor, aten.bitwise_xor.Scalar: jnp.bitwise_xor,
+    aten.bitwise_not.default: jnp.invert,
+    aten.__lshift__.Scalar: _shift(jnp.left_shift), aten.__lshift__.Tensor: jnp.left_shift,
+    aten.__rshift__.Scalar: _shift(jnp.right_shift), aten.__rshift__.Tensor: jnp.right_shift,
+    aten.bitwise_left_shift.Tensor: jnp.left_shift,
+    aten.bitwise_right_shift.Tensor: jnp.right_shift,
+    aten.where.self: jnp.where, aten.where.ScalarSelf: jnp.where,
+    aten.where.ScalarOther: jnp.where, aten.where.Scalar: jnp.where,
+    # constructors and copies
+    aten.full.default: _full, aten.full_like.default: _full_like,
+    aten.scalar_tensor.default: _scalar_tensor, aten.arange.default: _arange,
+    aten.arange.start: _arange, aten.arange.start_step: _arange,
     aten._to_copy.default: _to_copy, aten.clone.default: _identity,
     aten.alias.default: _identity, aten.lift_fresh_copy.default: _identity,
     aten.detach.default: _identity,
+    # shapes (of unbatched tensors; a batched scalar has none)
+    aten.view.default: lambda x, shape: jnp.reshape(x, shape),
+    aten._unsafe_view.default: lambda x, shape: jnp.reshape(x, shape),
+    aten.reshape.default: lambda x, shape: jnp.reshape(x, shape),
+    aten.expand.default: lambda x, shape, **_: jnp.broadcast_to(
+        x, tuple(d if s == -1 else s for s, d in zip(shape, (1,) * (len(shape) - jnp.ndim(
+            x)) + tuple(jnp.shape(x))))),
+    aten.unsqueeze.default: jnp.expand_dims, aten.squeeze.dim: jnp.squeeze,
+    aten.squeeze.dims: lambda x, dims: jnp.squeeze(x, tuple(dims)),
+    aten.squeeze.default: jnp.squeeze,
+    aten.permute.default: jnp.transpose, aten.t.default: jnp.transpose,
+    aten.transpose.int: jnp.swapaxes, aten.slice.Tensor: _slice,
+    aten.cat.default: lambda xs, dim=0: jnp.concatenate(xs, dim),
+    aten.flip.default: jnp.flip,
+    # reductions and products (of unbatched tensors)
+    aten.sum.dim_IntList: _reduction(jnp.sum), aten.sum.default: _reduction(jnp.sum),
+    aten.prod.default: _reduction(jnp.prod), aten.prod.dim_int: _reduction(jnp.prod),
+    aten.mean.dim: _reduction(jnp.mean), aten.mean.default: _reduction(jnp.mean),
+    aten.amax.default: _reduction(jnp.max), aten.amin.default: _reduction(jnp.min),
+    aten.max.default: _reduction(jnp.max), aten.min.default: _reduction(jnp.min),
+    aten.max.dim: _max_dim(jnp.max, jnp.argmax), aten.min.dim: _max_dim(jnp.min, jnp.argmin),
+    aten.argmax.default: lambda x, dim=None, keepdim=False: jnp.argmax(x, dim, keepdims=keepdim),
+    aten.argmin.default: lambda x, dim=None, keepdim=False: jnp.argmin(x, dim, keepdims=keepdim),
+    aten.any.default: _reduction(jnp.any), aten.any.dim: _reduction(jnp.any),
+    aten.any.dims: _reduction(jnp.any), aten.all.default: _reduction(jnp.all),
+    aten.all.dim: _reduction(jnp.all), aten.cumsum.default: lambda x, dim, **_: jnp.cumsum(
+        x, dim), aten.dot.default: jnp.dot, aten.mm.default: jnp.matmul,
+    aten.bmm.default: jnp.matmul, aten.mv.default: jnp.matmul,
 }
 
 
+# ------------------------------------------------------------------------------------------------
+# The interpreter
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Batched:
+    """One scalar per position of the tile: an array of (a shape broadcastable to) the tile."""
+    array: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _PartialIndex:
+    """table[i0, i1, ...] over leading dims with scalar indices (some batched), the rest of the
+    table's dims not yet indexed: kept until a later index fills them."""
+    table: object
+    indices: tuple
+
+
+class _NeedsVmap(Exception):
+    """The graph has a batched value that is not a scalar per position."""
+
+
+def _array(value):
+    if isinstance(value, _Batched):
+        return value.array
+    if isinstance(value, _PartialIndex):
+        if any(isinstance(i, _Batched) for i in value.indices):
+            raise _NeedsVmap
+        return value.table[tuple(value.indices)]
+    return value
+
+
+def _index_entries(indices) -> list:
+    return [None if i is None else i for i in indices]
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, _Batched) or (not isinstance(value, _PartialIndex)
+                                          and jnp.ndim(value) == 0)
+
+
+def _index(x, indices):
+    """aten.index.Tensor on an unbatched table (or a partial lookup of one) with scalar indices:
+    a point lookup once every dimension is indexed."""
+    if isinstance(x, _PartialIndex):
+        table, done = x.table, list(x.indices)
+    elif isinstance(x, _Batched):
+        raise _NeedsVmap
+    else:
+        table, done = x, []
+    if not all(i is None or _is_scalar(i) for i in indices) or None in done:
+        raise _NeedsVmap
+    remaining = jnp.ndim(table) - len(done)
+    if len(indices) > remaining:
+        raise IndexError(f"too many indices for a tensor of {remaining} dimensions")
+    if None in indices:  # a slice before an index: gather the other dims now, unbatched only
+        return _index_with_slices(table, done, indices)
+    done += list(indices)
+    if len(done) < jnp.ndim(table):
+        return _PartialIndex(table, tuple(done))
+    arrays = [_array(i) for i in done]
+    lookup = table[tuple(arrays)]
+    return _Batched(lookup) if any(isinstance(i, _Batched) for i in done) else lookup
+
+
+def _index_with_slices(table, done, indices):
+    if any(isinstance(i, _Batched) for i in (*done, *indices)):
+        raise _NeedsVmap
+    full = [*done, *indices]
+    return table[tuple(slice(None) if i is None else i for i in full)]
+
+
+def _select(x, dim, index):
+    if isinstance(x, _Batched):
+        raise _NeedsVmap
+    if dim < 0:
+        dim += jnp.ndim(x.table) - len(x.indices) if isinstance(x, _PartialIndex) else jnp.ndim(x)
+    if dim == 0 or isinstance(x, _PartialIndex) and dim == 0:
+        return _index(x, [jnp.int32(index)])
+    return jnp.take(_array(x), index, axis=dim)
+
+
+_STRUCTURAL = {aten.index.Tensor: _index, aten.select.int: _select}
+
+
+def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots, *,
+               scalar_semantics: bool):
+    """Interprets the core-ATen graph. arg_slots[i]: the placeholder index of mod argument i
+    (or None: unused); capture_slots[j]: that of captured tensor j. With scalar_semantics
+    every value is a plain array at torch's shapes (run under vmap); otherwise batched values
+    are `_Batched`."""
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    env = {}
+    for slot, value in zip(arg_slots, args):
+        if slot is not None:
+            env[placeholders[slot]] = value if scalar_semantics else _Batched(value)
+    for slot, value in zip(capture_slots, capture_arrays):
+        env[placeholders[slot]] = value
+
+    def load(a):
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(load(x) for x in a)
+        if isinstance(a, torch.dtype):
+            return a
+        return a
+
+    for node in nodes:
+        if node.op == "get_attr":
+            env[node] = constants[node.target]
+        elif node.op == "call_function":
+            args_, kwargs = load(node.args), {k: load(v) for k, v in node.kwargs.items()}
+            if node.target is operator.getitem:
+                env[node] = args_[0][args_[1]]
+                continue
+            if not scalar_semantics and node.target in _STRUCTURAL:
+                env[node] = _STRUCTURAL[node.target](*args_, **kwargs)
+                continue
+            if scalar_semantics and node.target is aten.index.Tensor:
+                table, indices = args_[0], args_[1]
+                env[node] = table[tuple(slice(None) if i is None else i for i in indices)]
+                continue
+            if scalar_semantics and node.target is aten.select.int:
+                env[node] = jnp.take(args_[0], args_[2], axis=args_[1])
+                continue
+            batched = any(isinstance(v, (_Batched, _PartialIndex))
+                          for v in jax.tree_util.tree_leaves(
+                              (args_, kwargs), is_leaf=lambda v: isinstance(
+                                  v, (_Batched, _PartialIndex))))
+            if batched and _own_shape(node) != ():
+                raise _NeedsVmap
+            plain = jax.tree_util.tree_map(_array, (args_, kwargs), is_leaf=lambda v: isinstance(
+                v, (_Batched, _PartialIndex)))
+            out = OPS[node.target](*plain[0], **plain[1])
+            out = _as_traced_dtype(out, node)
+            env[node] = _Batched(out) if batched else out
+        elif node.op == "output":
+            (result,) = node.args[0] if isinstance(node.args[0], (list, tuple)) else (
+                node.args[0],)
+            return _array(env[result]) if isinstance(result, torch.fx.Node) else result
+    raise ValueError("the mod's graph has no output")
+
+
+def _own_shape(node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _as_traced_dtype(out, node):
+    """torch's result dtype for the node (its type promotion, not JAX's)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not isinstance(out, tuple):
+        return jnp.asarray(out).astype(jax_dtype(val.dtype))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Public entry points
+# ------------------------------------------------------------------------------------------------
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TranslatedMod:
-    """A torch mod as a JAX function `fn(captures, *args)`; `captures` are the torch tensors it
-    closes over, in the order `fn` takes them."""
+    """A torch mod as a JAX function `fn(capture_arrays, *args)` on broadcastable index arrays
+    (and the score). n_captures: how many captured tensors it reads, in the order the capture
+    of the mod hands them over."""
 
     fn: Callable
-    captures: tuple[torch.Tensor, ...]
+    n_captures: int
 
     def bind(self, arrays: Sequence[jax.Array]) -> Callable:
-        """The JAX mod reading `arrays` (JAX views of `captures`) as its captured arrays."""
+        """The JAX mod reading `arrays` (JAX views of the captured tensors) as captured arrays."""
         return lambda *args: self.fn(arrays, *args)
 
 
-def _example_args(mod: Callable, kind: str):
-    """Small index tensors (and a score tile) to trace `mod` with, on the device of the first
-    tensor it closes over: a mod over CUDA tables cannot mix them with CPU tiles."""
-    cells = [cell.cell_contents for cell in getattr(mod, "__closure__", None) or ()]
-    device = next((x.device for x in cells if isinstance(x, torch.Tensor)), "cpu")
-    index = lambda *shape: torch.zeros(shape, dtype=torch.int32, device=device)  # noqa: E731
-    args = (index(1, 1), index(1, 1), index(2, 1), index(1, 2))
-    return (torch.zeros(2, 2, device=device), *args) if kind == "score" else args
-
-
-def translate(mod: Callable, kind: str) -> TranslatedMod:
-    """A torch-written mod ('score' or 'mask') as a JAX function. Raises NotImplementedError
-    naming any aten op without a translation; other tracing errors propagate."""
+def lower_to_core_aten(graph_module: torch.fx.GraphModule, example_inputs):
+    """The graph of `graph_module` (Dynamo's, torch-level) in core ATen ops."""
     with torch.no_grad():
-        graph_module = make_fx(mod)(*_example_args(mod, kind))
-    names, captures = [], []
-    for node in graph_module.graph.nodes:
-        if node.op == "get_attr" and node.target not in names:
-            names.append(node.target)
-            captures.append(getattr(graph_module, node.target))
-        elif node.op == "call_function" and node.target not in _OPS:
-            raise NotImplementedError(
-                f"{kind}_mod uses {node.target}, which jattn cannot translate to JAX; write the "
-                "mod with arithmetic, comparisons, torch.where, exp/log/tanh/abs/sigmoid/"
-                "minimum/maximum/clamp, // and %, and indexing of captured tensors.")
-    nodes = list(graph_module.graph.nodes)
+        return make_fx(graph_module, decomposition_table=DECOMPOSITIONS)(*example_inputs)
+
+
+def untranslatable_ops(core: torch.fx.GraphModule) -> list[str]:
+    return sorted({str(n.target) for n in core.graph.nodes if n.op == "call_function"
+                   and n.target not in OPS and n.target not in _STRUCTURAL
+                   and n.target is not operator.getitem})
+
+
+def translate(core: torch.fx.GraphModule, arg_slots: Sequence[int | None],
+              capture_slots: Sequence[int]) -> TranslatedMod:
+    """The JAX function of a core-ATen mod graph (checked by `untranslatable_ops` first).
+
+    arg_slots[i]: the placeholder index of the mod's argument i, None where the mod does not
+    read it; capture_slots: the placeholder indices of its captured tensors, in order.
+    """
+    nodes = list(core.graph.nodes)
+    constants = {n.target: jnp.asarray(_constant(getattr(core, n.target)))
+                 for n in nodes if n.op == "get_attr"}
+    arg_slots, capture_slots = tuple(arg_slots), tuple(capture_slots)
+
+    def broadcast(capture_arrays, *args):
+        return _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
+                          scalar_semantics=False)
+
+    def scalar(capture_arrays, *args):
+        return _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
+                          scalar_semantics=True)
 
     def fn(capture_arrays, *args):
-        env = {}
-        placeholders = iter(args)
-        lookup = lambda a: env[a] if isinstance(a, torch.fx.Node) else a  # noqa: E731
+        try:
+            out = broadcast(capture_arrays, *args)
+        except _NeedsVmap:
+            out = broadcast_vmap(lambda *a: scalar(capture_arrays, *a), args)
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+        return jnp.broadcast_to(out, shape)
 
-        def load(a):
-            if isinstance(a, (list, tuple)):
-                return type(a)(load(x) for x in a)
-            return lookup(a)
-
-        for node in nodes:
-            if node.op == "placeholder":
-                env[node] = next(placeholders)
-            elif node.op == "get_attr":
-                env[node] = capture_arrays[names.index(node.target)]
-            elif node.op == "call_function":
-                env[node] = _OPS[node.target](*load(node.args),
-                                              **{k: load(v) for k, v in node.kwargs.items()})
-            elif node.op == "output":
-                return load(node.args[0])
-        raise AssertionError("graph without output")
-
-    return TranslatedMod(fn, tuple(captures))
+    return TranslatedMod(fn, len(capture_slots))
 
 
-def is_torch_mod(mod: Callable, kind: str) -> bool:
-    """Whether `mod` runs on torch tensors (a JAX mod such as `jattn.mods.softcap` does not)."""
-    try:
-        with torch.no_grad():
-            out = mod(*_example_args(mod, kind))
-    except Exception:  # noqa: BLE001  (any failure on torch tensors means "not a torch mod")
-        return False
-    return isinstance(out, torch.Tensor)  # jnp functions may accept tensors but return arrays
+def _constant(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.float().numpy().astype(jnp.bfloat16)
+    return tensor.numpy().astype(np.dtype(jax_dtype(tensor.dtype)))
+
+
+def broadcast_vmap(fn: Callable, args: Sequence) -> jax.Array:
+    """fn (on scalars) applied at every position of the arguments' broadcast shape, mapping
+    each argument only over the dims along which it varies."""
+    shapes = [jnp.shape(a) for a in args]
+    rank = max((len(s) for s in shapes), default=0)
+    args = [jnp.reshape(a, (1,) * (rank - jnp.ndim(a)) + tuple(jnp.shape(a))) for a in args]
+
+    def over(dim, args):
+        if dim == rank:
+            return fn(*args)
+        varies = [a.shape[0] > 1 for a in args]
+        squeezed = [a if v else a[0] for a, v in zip(args, varies)]
+        if not any(varies):
+            return over(dim + 1, squeezed)[None]
+        inner = lambda *a: over(dim + 1, a)  # noqa: E731
+        return jax.vmap(inner, in_axes=[0 if v else None for v in varies])(*squeezed)
+
+    return over(0, args)
+
+
+def prod(shape) -> int:
+    return math.prod(shape)

@@ -9,15 +9,16 @@ otherwise.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 
 import jax
 import torch
+import torch.nn.attention.flex_attention as _flex
 
 import jattn
 from jattn._src.decoding.paged import check_pool_sizes
 from interop import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
+from interop._capture import capture
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,107 +125,195 @@ def mixed_matmul(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 # ------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _torch_flex():
-    """torch.nn.attention.flex_attention, imported on first use (once: ops call this per call)."""
-    import torch.nn.attention.flex_attention as module
-
-    return module
-
-
-def _mask_tensors(block_mask, L: int, S: int) -> tuple[list[torch.Tensor], list[int]]:
-    """A torch BlockMask's lists in the ops' order (zero-copy), and its block size."""
-    if not isinstance(block_mask, _torch_flex().BlockMask):
-        raise TypeError("flex_attention: `block_mask` must be a torch BlockMask (from "
-                        "interop.torch.create_block_mask or torch's create_block_mask), got "
-                        f"{type(block_mask).__name__}.")
-    if tuple(block_mask.seq_lengths) != (L, S):
-        raise ValueError(f"flex_attention: block_mask was built for (Q_LEN, KV_LEN) = "
-                         f"{tuple(block_mask.seq_lengths)} but q has length {L} and k {S}.")
+def _mask_tensors(block_mask, L: int, S: int, fn: str = "flex_attention"
+                  ) -> tuple[list[torch.Tensor], list[int]]:
+    """A torch BlockMask's lists in the ops' order (zero-copy; the q-major ones derived from
+    the kv-major ones where the mask has none), and its block size."""
+    _check_block_mask(block_mask, L, S, fn)
     fields = [getattr(block_mask, name) for name in _ops.MASK_FIELDS]
     if fields[2] is None:
-        raise ValueError("flex_attention: block_mask has no q-major lists (q_num_blocks, "
-                         "q_indices); build it with compute_q_blocks=True.")
+        fields = _with_q_major(fields, block_mask.seq_lengths, block_mask.BLOCK_SIZE)
     return [f for f in fields if f is not None], list(block_mask.BLOCK_SIZE)
 
 
-def _jax_mask_mod(block_mask):
-    if block_mask is None or block_mask.mask_mod is _torch_flex().noop_mask:
+def _check_block_mask(block_mask, L: int, S: int, fn: str) -> None:
+    if not isinstance(block_mask, _flex.BlockMask):
+        raise TypeError(f"{fn}: `block_mask` must be a torch BlockMask (from "
+                        "interop.torch.create_block_mask or torch's create_block_mask), got "
+                        f"{type(block_mask).__name__}.")
+    if tuple(block_mask.seq_lengths) != (L, S):
+        raise ValueError(f"{fn}: block_mask was built for (Q_LEN, KV_LEN) = "
+                         f"{tuple(block_mask.seq_lengths)} but q has length {L} and k {S}.")
+
+
+def _with_q_major(fields: list, seq_lengths, block_size) -> list:
+    """MASK_FIELDS' lists with the q-major ones (which only the backward reads) made from the
+    kv-major ones, for a BlockMask built with compute_q_blocks=False."""
+    kv_num, kv_idx, _, _, full_num, full_idx, _, _ = fields
+    arrays = [None if x is None else _dlpack.to_jax(x.to(torch.int32), name) for x, name in
+              zip((kv_num, kv_idx, full_num, full_idx), _ops.kv_major(_ops.MASK_FIELDS))]
+    mask = jattn.BlockMask.from_kv_blocks(
+        arrays[0], arrays[1], arrays[2], arrays[3], block_size=tuple(block_size),
+        seq_lengths=tuple(seq_lengths))
+    device = kv_num.device
+    q_major = [None if x is None else _dlpack.to_torch(x, device) for x in (
+        mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]
+    return [kv_num, kv_idx, *q_major[:2], full_num, full_idx, *q_major[2:]]
+
+
+def _block_mask_mod(block_mask):
+    """The mask_mod a BlockMask's partial blocks apply (None: torch's noop_mask)."""
+    if block_mask is None or block_mask.mask_mod is _flex.noop_mask:
         return None
     return block_mask.mask_mod
 
 
-def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, score_mod=None,
-                   block_mask=None, *, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, implementation: str | None = None):
-    """`jattn.flex_attention` on torch tensors, with torch FlexAttention's signature.
+def _lse_request(return_lse: bool, return_aux) -> bool:
+    """Whether the caller wants the LSE, from torch's two ways of asking for it."""
+    if return_aux is None:
+        return bool(return_lse)
+    if return_lse:
+        raise ValueError("flex_attention: pass return_lse or return_aux, not both (torch "
+                         "deprecates return_lse; use return_aux=AuxRequest(lse=True)).")
+    if not isinstance(return_aux, _flex.AuxRequest):
+        raise TypeError(f"flex_attention: `return_aux` must be an AuxRequest, got "
+                        f"{type(return_aux).__name__}.")
+    if return_aux.max_scores:
+        raise NotImplementedError("flex_attention: AuxRequest(max_scores=True) is not "
+                                  "supported by jattn; request lse only.")
+    return return_aux.lse
 
-    q [B, Hq, L, E], k [B|1, Hkv, S, E], v [B|1, Hkv, S, Ev]: bfloat16, float16 or float32 on
-    one device. score_mod (`f(score, b, h, q_idx, kv_idx)`) and the block mask's mask_mod
-    (`f(b, h, q_idx, kv_idx)`) are torch-written — translated to JAX once per function, the
-    tensors they close over passed to the kernels — or JAX functions such as `jattn.mods`.
-    block_mask is a torch BlockMask (from `create_block_mask` below or torch's builder).
-    Returns out [B, Hq, L, Ev] (and the float32 natural-log LSE [B, Hq, L] with return_lse);
-    differentiable in q, k, v and floating-point tensors the score_mod closes over. In eager
-    mode on CUDA, a forward that is one kernel compiled by the `triton` package is launched on
-    torch's current stream without going through JAX (same kernel, same bits; README).
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype the kernels compute in: q's (float64 runs in float32, as JAX has no float64
+    without x64), k and v cast to it as torch does."""
+    return torch.float32 if query.dtype == torch.float64 else query.dtype
+
+
+def _follow_layout(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`out` with `like`'s stride order (torch's flex_attention output follows q's)."""
+    if like.is_contiguous() or out.dim() != like.dim():
+        return out
+    order = sorted(range(like.dim()), key=lambda d: (-like.stride(d), d))
+    if order[-1] != like.dim() - 1:
+        order.remove(like.dim() - 1)
+        order.append(like.dim() - 1)  # the feature dim stays innermost
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return out.permute(order).contiguous().permute(inverse)
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod=None, block_mask=None, scale: float | None = None,
+                   enable_gqa: bool = False, return_lse: bool = False, kernel_options=None,
+                   *, return_aux=None, implementation: str | None = None):
+    """`jattn.flex_attention` on torch tensors, with torch FlexAttention's signature and
+    behaviour (`torch.nn.attention.flex_attention.flex_attention`).
+
+    query [B, Hq, L, E], key [B|1, Hkv, S, E], value [B|1, Hkv, S, Ev] on one device, any of
+    bfloat16, float16, float32 and float64: key and value are cast to query's dtype and the
+    output has it (float64 is computed in float32). score_mod `f(score, b, h, q_idx, kv_idx)`
+    and the block mask's mask_mod `f(b, h, q_idx, kv_idx)` are torch-written (any callable:
+    function, lambda, bound method, functools.partial, nn.Module) or JAX functions such as
+    `jattn.mods`. What a torch mod reads is re-read on every call: tensors it closes over are
+    passed to the kernels (and get gradients), a changed Python value re-translates it (see
+    the README). block_mask is a torch BlockMask (`create_block_mask` below, or torch's).
+    kernel_options is accepted for compatibility and ignored (jattn picks its own tiles).
+    Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True also the
+    float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=True) torch's
+    AuxOutput. In eager mode on CUDA, a forward that is one kernel compiled by the `triton`
+    package is launched on torch's current stream without going through JAX (README).
     """
-    L, S = q.shape[-2], k.shape[-2]
+    want_lse = _lse_request(return_lse, return_aux)
+    if kernel_options is not None and not isinstance(kernel_options, dict):
+        raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
+                        f"{type(kernel_options).__name__}.")
+    original, dtype = query, _compute_dtype(query)
+    query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
+                         else x for x in (query, key, value))
+    L, S = query.shape[-2], key.shape[-2]
+    mask_mod = _block_mask_mod(block_mask)
     if torch.compiler.is_compiling():
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
             mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-        mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
-        return _ops.traced_flex(q, k, v, mask_tensors, _ops.mod_captures(mods), mods,
-                                block_size, [L, S], scale, enable_gqa, implementation,
-                                return_lse=return_lse)
-    # Eager: the few fields a forward reads, and a plan worked out once per layout and options.
-    if block_mask is None:
-        kv_lists, mask_mod, block_size, seq_lengths = (), None, (128, 128), (L, S)
+        mods, captures = _ops.traced_mods(score_mod, mask_mod)
+        out, lse = _ops.traced_flex(query, key, value, mask_tensors, captures, mods,
+                                    block_size, [L, S], scale, enable_gqa, implementation,
+                                    return_lse=True)
     else:
-        if not isinstance(block_mask, _torch_flex().BlockMask):
-            _mask_tensors(block_mask, L, S)  # raises its error
-        *kv_lists, mask_mod, seq_lengths, block_size = _FORWARD_FIELDS(block_mask)
+        out, lse = _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S,
+                               scale, enable_gqa, implementation, want_lse)
+    out = _follow_layout(out, original)
+    if out.dtype != original.dtype:
+        out = out.to(original.dtype)
+    if return_aux is not None:
+        return out, _flex.AuxOutput(lse=lse if want_lse else None)
+    return (out, lse) if want_lse else out
+
+
+def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale, enable_gqa,
+                implementation, want_lse):
+    """(out, lse or None) outside torch.compile: the few fields a forward reads, and a plan
+    worked out once per translation, layout and options."""
+    if block_mask is None:
+        kv_lists, block_size, seq_lengths = (), (128, 128), (L, S)
+    else:
+        _check_block_mask(block_mask, L, S, "flex_attention")
+        *kv_lists, seq_lengths, block_size = _FORWARD_FIELDS(block_mask)
         kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
-        mask_mod = None if mask_mod is _torch_flex().noop_mask else mask_mod
-    device = q.device
-    key = (id(score_mod), id(mask_mod), tuple(block_size), tuple(seq_lengths), len(kv_lists),
-           L, S, scale, enable_gqa, implementation, device.type)
-    plan = _ops.FLEX_PLANS.get(key)
-    if plan is None:
-        if block_mask is not None:
-            _mask_tensors(block_mask, L, S)  # its checks, once per plan
-        plan = _ops.new_flex_plan(key, score_mod, mask_mod, device)
-    return _ops.run_flex(plan, q, k, v, kv_lists,
-                         lambda: [] if block_mask is None else _mask_tensors(block_mask, L, S)[0],
-                         return_lse=return_lse)
+    mods, captures = _ops.capture_mods(score_mod, mask_mod)
+    plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
+                           len(captures), L, S, scale, enable_gqa, implementation,
+                           query.device.type), query.device)
+    result = _ops.run_flex(
+        plan, query, key, value, kv_lists, captures,
+        lambda: [] if block_mask is None else _mask_tensors(block_mask, L, S)[0],
+        return_lse=want_lse)
+    return result if want_lse else (result, None)
 
 
-# A BlockMask's fields an eager forward reads: its kv-major lists (partial, then full), mask_mod,
+# A BlockMask's fields an eager forward reads: its kv-major lists (partial, then full),
 # seq_lengths and BLOCK_SIZE.
 _FORWARD_FIELDS = operator.attrgetter(
-    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "mask_mod",
-    "seq_lengths", "BLOCK_SIZE")
+    "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "seq_lengths",
+    "BLOCK_SIZE")
 
 
-def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, *,
-                      block_size: int | tuple[int, int] = 128, device="cpu"):
-    """A torch BlockMask built by `jattn.create_block_mask` (on the JAX device matching
-    `device`), its lists shared with JAX without copies. mask_mod is torch-written (translated
-    to JAX) or a JAX function; the BlockMask keeps it as given."""
-    device = torch.device(device)
+def _default_device() -> torch.device:
+    """torch's create_block_mask default: the current accelerator, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else None)
+    return torch.device(current) if current is not None else torch.device("cpu")
+
+
+@torch.compiler.disable  # builds with JAX; under torch.compile it runs as it does eagerly
+def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device=None, BLOCK_SIZE: int | tuple[int, int] = 128,
+                      _compile: bool = False):
+    """A torch BlockMask built by `jattn.create_block_mask`, with torch's signature and
+    defaults (`torch.nn.attention.flex_attention.create_block_mask`): device defaults to the
+    current accelerator (else the CPU), BLOCK_SIZE is an int or (Q, KV) tuple, _compile is
+    accepted and has no effect (the builder is JAX-compiled). The lists are shared with JAX
+    without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
+    or a JAX function; the BlockMask keeps it as given."""
+    device = _default_device() if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     platform = "cuda" if device.type == "cuda" else "cpu"
-    translated = _ops.as_jax_mod(mask_mod, "mask") if callable(mask_mod) else None
-    captured = [] if translated is None else [t.to(device) for t in translated.captures]
-    _dlpack.wait_for_torch(device)
-    jax_mask_mod = mask_mod if translated is None else translated.bind(
-        [_dlpack.to_jax(t, "captured tensor") for t in captured])
+    block_size = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    jax_mask_mod = mask_mod
+    if callable(mask_mod):
+        translation, tensors = capture(mask_mod, "mask")
+        _dlpack.wait_for_torch(device)
+        jax_mask_mod = translation.mod.bind(
+            [_dlpack.to_jax(t.to(device), "captured tensor") for t in tensors])
     with jax.default_device(jax.devices(platform)[device.index or 0]):
         mask = jattn.create_block_mask(jax_mask_mod, B, H, Q_LEN, KV_LEN, block_size=block_size)
     lists = [None if x is None else _dlpack.to_torch(x, device) for x in (
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]
-    return _torch_flex().BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
+    return _flex.BlockMask(mask.seq_lengths, *lists, mask.block_size, mask_mod)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,16 +396,14 @@ class PagedKVCache:
 def _decode_mask_tensors(block_mask, S: int) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """A torch BlockMask's lists (zero-copy), block size and (Q_LEN, KV_LEN), for a cache of
     length S."""
-    if not isinstance(block_mask, _torch_flex().BlockMask):
-        raise TypeError("flex_decode: `block_mask` must be a torch BlockMask (from "
-                        "interop.torch.create_block_mask or torch's create_block_mask), got "
-                        f"{type(block_mask).__name__}.")
+    if not isinstance(block_mask, _flex.BlockMask):
+        _check_block_mask(block_mask, S, S, "flex_decode")  # raises its TypeError
     Q_LEN, KV_LEN = block_mask.seq_lengths
     if KV_LEN != S or Q_LEN < S:
         raise ValueError(f"flex_decode: block_mask covers (Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); a "
                          f"decode mask is indexed by absolute positions, so build it for ({S}, "
                          f"{S}), the cache length (create_block_mask(mask_mod, B, H, {S}, {S})).")
-    tensors, block_size = _mask_tensors(block_mask, Q_LEN, KV_LEN)
+    tensors, block_size = _mask_tensors(block_mask, Q_LEN, KV_LEN, "flex_decode")
     return tensors, block_size, [Q_LEN, KV_LEN]
 
 
@@ -352,9 +439,10 @@ def flex_decode(q: torch.Tensor, k, v: torch.Tensor | None, score_mod=None, bloc
     mask_tensors, block_size, seq_lengths = [], [128, 128], [S, S]
     if block_mask is not None:
         mask_tensors, block_size, seq_lengths = _decode_mask_tensors(block_mask, S)
-    mods = _ops.register_mods(score_mod, _jax_mask_mod(block_mask))
+    capture_mods = _ops.traced_mods if torch.compiler.is_compiling() else _ops.capture_mods
+    mods, captures = capture_mods(score_mod, _block_mask_mod(block_mask))
     out, lse = _decode_ops.flex_decode(q, k, v, page_table,
                                        _decode_ops.kv_len_tensor(kv_len, q, S), mask_tensors,
-                                       _ops.mod_captures(mods), mods, block_size, seq_lengths,
-                                       scale, implementation)
-    return (out, lse) if return_lse else out
+                                       list(captures), mods, block_size, seq_lengths, scale,
+                                       implementation)
+    return (out, lse.clone()) if return_lse else out

@@ -67,7 +67,7 @@ def _check_bitwise(dtype, device, implementation, paged, mods, kv_len):
     if mods:
         score_mod, jax_score_mod, mask_mod, jax_mask_mod = _mods(device)
     block_mask = None if mask_mod is None else jt.create_block_mask(
-        mask_mod, None, None, S, S, block_size=PAGE, device=device)
+        mask_mod, None, None, S, S, BLOCK_SIZE=PAGE, device=device)
     jax_mask = None if mask_mod is None else jattn.create_block_mask(
         jax_mask_mod, None, None, S, S, block_size=PAGE)
     lengths = None if kv_len is None else torch.tensor(kv_len, device=device)
@@ -194,10 +194,10 @@ def test_assign_rejects_bad_positions_and_shapes():
 def test_opcheck():
     q, k, v = _qkv()
     score_mod, _, mask_mod, _ = _mods("cpu")
-    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, block_size=PAGE)
+    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE)
     lists, block_size = jt._mask_tensors(block_mask, S, S)
-    mods = _ops.register_mods(score_mod, mask_mod)
-    captures = _ops.mod_captures(mods)
+    mods, captures = _ops.capture_mods(score_mod, mask_mod)
+    captures = list(captures)
     assert len(captures) == 1  # the slopes
     static = (mods, block_size, [S, S], None, None)
     kv_len = torch.tensor(KV_LEN)
@@ -212,7 +212,7 @@ def test_opcheck():
 def test_compiles_without_graph_breaks():
     q, k, v = _qkv()
     score_mod, _, mask_mod, _ = _mods("cpu")
-    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, block_size=PAGE)
+    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE)
     cache = _paged_cache(k, v, KV_LEN)
 
     def step(q, cache, kv_len):

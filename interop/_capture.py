@@ -1,0 +1,395 @@
+"""What a torch-written mod reads, found and guarded by Dynamo, as torch.compile does.
+
+A mod is called through a small compiled "trampoline" (`torch.compile(fullgraph=True)` with a
+backend of ours), on 0-d index tensors as torch FlexAttention calls it. Dynamo traces the mod
+and everything it reads (closure cells, globals, default arguments, a bound `self`, a
+`functools.partial`'s arguments, an nn.Module's parameters and buffers, nested mods such as
+`and_masks`), lifts the tensors it reads to graph inputs and guards on every Python value the
+trace depends on. Our backend translates each graph to JAX once (`interop._translate`) and
+returns a function that, on every later call, receives the tensors the mod reads *now* and
+hands them to the op. So:
+
+- a new tensor of the same shape and dtype (a fresh closure each step, a rebound global) is
+  passed to the kernel as an argument: no re-translation, no recompile;
+- a changed Python scalar, flag or object fails a guard: Dynamo re-traces and we translate
+  again (scalars are specialised, as Dynamo specialises them; pass a 0-d tensor for a value
+  that changes every step);
+- in-place edits of captured tensors are seen because the kernel reads the tensor itself.
+
+Trampolines are made per mod code object (or class, for callable objects), so each has its
+own Dynamo cache and recompile limit; one that reaches the limit is replaced by a fresh one.
+A mod whose code reads no state at all (no closure, defaults or globals other than modules
+and builtins) skips the trampoline after its first translation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import functools
+import inspect
+import itertools
+import re
+import threading
+import types
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+from interop import _translate
+
+ARITY = {"score": 5, "mask": 4}
+_SIGNATURES = {"score": "(score, b, h, q_idx, kv_idx)", "mask": "(b, h, q_idx, kv_idx)"}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Translation:
+    """One translation of a mod: `mod` (a TranslatedMod) and the key the ops know it by.
+    For a mod used inside a user's torch.compile, as Python that Dynamo traces there:
+    fetch(mod) returns the tensors the mod reads (in `mod`'s capture order), read_state(mod)
+    the Python scalars the translation depends on (for Dynamo to guard on, so that a changed
+    one re-traces). Both None for JAX mods."""
+
+    key: str
+    mod: _translate.TranslatedMod
+    fetch: Callable | None
+    read_state: Callable | None
+    is_torch: bool
+
+
+# Every live translation by key: the ops receive keys (strings are what a torch op and a
+# compiled graph can carry). Bounded: the oldest are dropped past the limit.
+_TRANSLATIONS: OrderedDict[str, Translation] = OrderedDict()
+_MAX_TRANSLATIONS = 4096
+_KEYS = itertools.count()
+_LOCK = threading.RLock()
+
+
+def _register(mod: _translate.TranslatedMod, fetch=None, read_state=None) -> Translation:
+    with _LOCK:
+        translation = Translation(f"m{next(_KEYS)}", mod, fetch, read_state, fetch is not None)
+        _TRANSLATIONS[translation.key] = translation
+        while len(_TRANSLATIONS) > _MAX_TRANSLATIONS:
+            _TRANSLATIONS.popitem(last=False)
+        return translation
+
+
+def lookup(key: str) -> Translation:
+    translation = _TRANSLATIONS.get(key)
+    if translation is None:
+        raise RuntimeError(f"jattn: mod translation {key!r} was evicted from the bounded "
+                           "cache; call the op again eagerly (or recompile) to re-translate.")
+    return translation
+
+
+# ------------------------------------------------------------------------------------------------
+# Example arguments: 0-d, as torch FlexAttention calls a mod
+# ------------------------------------------------------------------------------------------------
+
+def example_args(kind: str, device="cpu") -> tuple[torch.Tensor, ...]:
+    index = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
+    return (torch.zeros((), device=device), *index) if kind == "score" else tuple(index)
+
+
+_EXAMPLES = {kind: example_args(kind) for kind in ARITY}
+
+
+def _mod_name(mod) -> str:
+    name = getattr(mod, "__qualname__", None) or getattr(mod, "__name__", None)
+    if name is None and isinstance(mod, functools.partial):
+        return f"partial({_mod_name(mod.func)})"
+    return name or type(mod).__name__
+
+
+# ------------------------------------------------------------------------------------------------
+# The trampolines and their backend
+# ------------------------------------------------------------------------------------------------
+
+_SLOT = threading.local()  # the last trampoline call's (translation, tensors), per thread
+
+
+def _trampoline_body(mod, *args):
+    with TransformGetItemToIndex():  # tensor indices -> aten.index, as torch traces mods
+        return mod(*args)
+
+
+def _arg_index(source) -> int | None:
+    """i for the source `L['args'][i]` (a mod argument), else None (a captured tensor)."""
+    base = getattr(source, "base", None)
+    if (type(source).__name__ == "GetItemSource" and base is not None
+            and getattr(base, "local_name", None) == "args"):
+        return source.index
+    return None
+
+
+_GLOBAL = re.compile(r"G\['([^']+)'\]")
+
+
+def _reader(source_names: list[str], namespace: dict) -> Callable:
+    """read(mod) -> the values at these Dynamo sources (rooted at L['mod'] and the
+    trampoline's globals G), as plain attribute and item access that Dynamo can trace."""
+    bound = {}
+
+    def global_ref(match):
+        name = f"_g{len(bound)}"
+        bound[name] = namespace[match.group(1)]
+        return name
+
+    items = [_GLOBAL.sub(global_ref, name).replace("L['mod']", "mod") for name in source_names]
+    source = f"lambda {', '.join([*bound, ''])}: lambda mod: ({''.join(i + ', ' for i in items)})"
+    return eval(source, {})(**bound)  # noqa: S307  (Dynamo's own source expressions)
+
+
+# Guards on what a mod reads (not on torch's internals, the trampoline or its arguments).
+_INTERNAL = re.compile(r"^G\['__import_torch(_dot_|')|^G\['__builtins|^__import__|^L\['args'\]")
+
+
+_SCALAR_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+
+
+def _state_sources() -> list[str]:
+    """The sources of the Python scalars (numbers, flags, strings, None) that the trace being
+    compiled guards on: what a changed value must re-trace."""
+    context = torch._guards.TracingContext.try_get()
+    names = set()
+    for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
+        name = guard.name
+        if (name and guard.create_fn_name() in _SCALAR_GUARDS and not _INTERNAL.match(name)
+                and name.startswith(("L['mod']", "G["))):
+            names.add(name)
+    return sorted(names)
+
+
+def _backend(kind: str, name: str, namespace: dict):
+    def compile_graph(graph_module: torch.fx.GraphModule, example_inputs):
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        arg_slots: list[int | None] = [None] * ARITY[kind]
+        capture_slots, sources = [], []
+        for slot, node in enumerate(placeholders):
+            source = node.meta["grapharg"].source
+            arg = _arg_index(source)
+            if arg is None:
+                capture_slots.append(slot)
+                sources.append(source.name if isinstance(source.name, str) else source.name())
+            else:
+                arg_slots[arg] = slot
+        output = next(n for n in graph_module.graph.nodes if n.op == "output")
+        if len(output.args[0]) != 1:
+            raise TypeError(f"{kind}_mod {name} must return one tensor.")
+        core = _translate.lower_to_core_aten(graph_module, example_inputs)
+        missing = _translate.untranslatable_ops(core)
+        if missing:
+            raise NotImplementedError(
+                f"{kind}_mod {name} uses {', '.join(missing)}, which jattn cannot translate "
+                "to JAX. Mods may use arithmetic, comparisons, logic and bit ops, torch.where, "
+                "elementwise math and activations, indexing of captured tensors, reductions "
+                "over captured tensors and new_*/*_like constructors.")
+        captured_dtypes = [example_inputs[slot].dtype for slot in capture_slots]
+        for dtype in captured_dtypes:
+            _translate.jax_dtype(dtype)  # raises for a dtype jattn cannot compute in
+        translation = _register(_translate.translate(core, arg_slots, capture_slots),
+                                _reader(sources, namespace),
+                                _reader(_state_sources(), namespace))
+
+        def run(*inputs):
+            _SLOT.value = translation, tuple(inputs[slot] for slot in capture_slots)
+            return [None]
+        return run
+    return compile_graph
+
+
+class _Trampoline:
+    """A compiled trampoline for one mod code object: its own Dynamo cache."""
+
+    def __init__(self, kind: str, name: str):
+        body = _trampoline_body.__code__.replace(co_name=f"jattn_{kind}_mod")
+        function = types.FunctionType(body, _trampoline_body.__globals__, body.co_name)
+        self.compiled = torch.compile(function, backend=_backend(kind, name, function.__globals__),
+                                      fullgraph=True, dynamic=False)
+
+
+def _code_identity(mod):
+    """What shares a trampoline: a function's code, a bound method's or partial's underlying
+    code, a callable object's class."""
+    while True:
+        if isinstance(mod, functools.partial):
+            mod = mod.func
+        elif isinstance(mod, types.MethodType):
+            mod = mod.__func__
+        elif isinstance(mod, types.FunctionType):
+            return mod.__code__
+        else:
+            return type(mod)
+
+
+_TRAMPOLINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_JAX_MODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # code -> True
+
+
+def _is_recompile_limit(error: BaseException) -> bool:
+    names = {type(e).__name__ for e in _chain(error)}
+    return any("RecompileLimit" in n or "CacheLimit" in n for n in names)
+
+
+def _chain(error: BaseException):
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+    return seen
+
+
+# ------------------------------------------------------------------------------------------------
+# Mods that read no state: translated once per code object
+# ------------------------------------------------------------------------------------------------
+
+_STATELESS = (types.ModuleType, types.BuiltinFunctionType)
+
+
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> tuple[str, ...] | None:
+    """The globals `code` loads, or None if it holds nested code (whose state it may read)."""
+    if any(isinstance(c, types.CodeType) for c in code.co_consts):
+        return None
+    return tuple(sorted({i.argval for i in dis.get_instructions(code)
+                         if i.opname == "LOAD_GLOBAL"}))
+
+
+def _stateless_globals(mod) -> tuple | None:
+    """For a plain function reading nothing but modules and builtins: its code and those
+    globals (what must stay the same), else None."""
+    if (type(mod) is not types.FunctionType or mod.__closure__ or mod.__defaults__
+            or mod.__kwdefaults__):
+        return None
+    names = _global_names(mod.__code__)
+    if names is None:
+        return None
+    space, builtins = mod.__globals__, mod.__builtins__
+    values = tuple(space[n] if n in space else getattr(builtins, "get", lambda _: None)(n)
+                   for n in names)
+    if not all(isinstance(v, _STATELESS) for v in values):
+        return None
+    return (mod.__code__, names, values)
+
+
+_STATELESS_TRANSLATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points
+# ------------------------------------------------------------------------------------------------
+
+def capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
+    """The mod's translation and the tensors it reads now (its captured tensors, in the
+    translation's order). Raises a clear error for a mod that cannot be translated."""
+    if not callable(mod):
+        raise TypeError(f"{kind}_mod must be callable {_SIGNATURES[kind]}, got "
+                        f"{type(mod).__name__}.")
+    identity = _code_identity(mod)
+    if type(mod) is types.FunctionType:
+        known = _STATELESS_TRANSLATIONS.get(mod.__code__)
+        if known is not None and known[0] == _stateless_globals(mod):
+            return known[1], ()
+    if _JAX_MODS.get(identity):
+        return _jax_translation(mod), ()
+    with _LOCK:
+        trampoline = _TRAMPOLINES.get(identity)
+        if trampoline is None:
+            trampoline = _TRAMPOLINES[identity] = _Trampoline(kind, _mod_name(mod))
+    result = _call(trampoline, mod, kind, identity)
+    if result is None:
+        return _jax_translation(mod), ()
+    translation, tensors = result
+    stateless = _stateless_globals(mod)
+    if stateless is not None and not tensors:
+        _STATELESS_TRANSLATIONS[mod.__code__] = (stateless, translation)
+    return translation, tensors
+
+
+def _call(trampoline: _Trampoline, mod, kind: str, identity):
+    """(translation, tensors) from one trampoline call; None for a JAX mod."""
+    _SLOT.value = None
+    try:
+        trampoline.compiled(mod, *_EXAMPLES[kind])
+    except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
+        if _is_recompile_limit(error):
+            with _LOCK:
+                fresh = _TRAMPOLINES[identity] = _Trampoline(kind, _mod_name(mod))
+            return _call(fresh, mod, kind, identity)
+        if _is_jax_mod(mod, kind):
+            _JAX_MODS[identity] = True
+            return None
+        raise _mod_error(mod, kind, error) from None
+    result = getattr(_SLOT, "value", None)
+    if result is None:
+        raise RuntimeError(f"jattn: tracing {kind}_mod {_mod_name(mod)} produced no graph.")
+    return result
+
+
+def _mod_error(mod, kind: str, error: BaseException) -> Exception:
+    """Our own errors raised while translating, unwrapped; Dynamo's turned into a message that
+    names the mod and the fix."""
+    for inner in _chain(error):
+        if isinstance(inner, (NotImplementedError, TypeError)) and str(inner).startswith(
+                f"{kind}_mod "):
+            return type(inner)(str(inner))
+    name = _mod_name(mod)
+    try:
+        inspect.signature(mod).bind(*_EXAMPLES[kind])
+    except TypeError:
+        return TypeError(f"{kind}_mod {name} must take {ARITY[kind]} arguments "
+                         f"{_SIGNATURES[kind]}; its signature is {_signature(mod)}.")
+    except ValueError:
+        pass
+    text = " ".join(str(e) for e in _chain(error))
+    if re.search(r"data.dependent|generic_jump|Data-dependent|__bool__", text):
+        return ValueError(
+            f"{kind}_mod {name} branches in Python on a tensor value (an `if`, `and`, `or` or "
+            "`not` on the score or the indices); that cannot be traced. Use torch.where(cond, "
+            "a, b) for values and &, |, ~ for masks.")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return TypeError(f"{kind}_mod {name} could not be traced on torch tensors: {first}")
+
+
+def _signature(mod) -> str:
+    try:
+        return str(inspect.signature(mod))
+    except (TypeError, ValueError):
+        return "unknown"
+
+
+def _is_jax_mod(mod, kind: str) -> bool:
+    """Whether `mod` is a JAX function (such as `jattn.mods.softcap(20.0)`): it runs on JAX
+    arrays and returns one."""
+    shapes = [jax.ShapeDtypeStruct((2, 2), jnp.float32)] if kind == "score" else []
+    shapes += [jax.ShapeDtypeStruct((), jnp.int32)] * 2 + [
+        jax.ShapeDtypeStruct((2, 1), jnp.int32), jax.ShapeDtypeStruct((1, 2), jnp.int32)]
+    try:
+        out = jax.eval_shape(mod, *shapes)
+    except Exception:  # noqa: BLE001  (anything failing on JAX arrays is not a JAX mod)
+        return False
+    return isinstance(out, jax.ShapeDtypeStruct)
+
+
+_JAX_TRANSLATIONS: OrderedDict[int, tuple] = OrderedDict()  # id(mod) -> (mod, translation)
+_MAX_JAX_MODS = 256
+
+
+def _jax_translation(mod) -> Translation:
+    """A JAX mod as a translation without captures (arrays it closes over stay JAX
+    constants), one per mod object (the most recent ones kept)."""
+    with _LOCK:
+        known = _JAX_TRANSLATIONS.get(id(mod))
+        if known is not None and known[0] is mod:
+            _JAX_TRANSLATIONS.move_to_end(id(mod))
+            return known[1]
+        translation = _register(_translate.TranslatedMod(lambda captures, *args: mod(*args), 0))
+        _JAX_TRANSLATIONS[id(mod)] = mod, translation
+        while len(_JAX_TRANSLATIONS) > _MAX_JAX_MODS:
+            _JAX_TRANSLATIONS.popitem(last=False)
+        return translation
