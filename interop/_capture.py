@@ -325,7 +325,7 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity):
             _JAX_MODS[identity] = True
             return None
         raise _mod_error(mod, kind, error) from None
-    result = getattr(_SLOT, "value", None)
+    result, _SLOT.value = getattr(_SLOT, "value", None), None  # holds no tensor past the call
     if result is None:
         raise RuntimeError(f"jattn: tracing {kind}_mod {_mod_name(mod)} produced no graph.")
     return result
@@ -352,8 +352,10 @@ def _mod_error(mod, kind: str, error: BaseException) -> Exception:
             f"{kind}_mod {name} branches in Python on a tensor value (an `if`, `and`, `or` or "
             "`not` on the score or the indices); that cannot be traced. Use torch.where(cond, "
             "a, b) for values and &, |, ~ for masks.")
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return TypeError(f"{kind}_mod {name} could not be traced on torch tensors: {first}")
+    cause = _chain(error)[-1]  # the innermost: what went wrong in the mod itself
+    lines = str(cause).strip().splitlines()
+    return TypeError(f"{kind}_mod {name} could not be traced on 0-d torch tensors (as torch "
+                     f"calls a mod): {type(cause).__name__}: {lines[0] if lines else ''}")
 
 
 def _signature(mod) -> str:

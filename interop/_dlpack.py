@@ -16,8 +16,11 @@ so back-to-back ops still queue ahead of the GPU. Results cross back ordered on 
 current stream, so later torch work waits on the GPU for our kernel. A JAX view keeps its
 DLPack capsule, hence the torch storage, alive until JAX is done with it.
 
-Views are cached per tensor object (while it lives, at the same address, shape, dtype and
-device): a weight, a BlockMask list or a captured table crosses once, not on every call.
+Views are cached per tensor object while it lives and keeps its address, shape, strides, dtype
+and device (an in-place `transpose_` or `set_` changes one of them): a weight, a BlockMask list
+or a captured table crosses once, not on every call. Only views that share the tensor's memory
+are cached, so in-place writes to the tensor are what the view reads; the version counter need
+not be part of the key.
 """
 
 from __future__ import annotations
@@ -130,9 +133,10 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 
 
 def _signature(tensor: torch.Tensor) -> tuple:
-    """What a cached view must still match: address, shape, dtype and device index (-1: the
-    CPU; an int compares faster than a torch.device)."""
-    return tensor.data_ptr(), tensor.shape, tensor.dtype, tensor.get_device()
+    """What a cached view must still match: address, shape, strides, dtype and device index
+    (-1: the CPU; an int compares faster than a torch.device)."""
+    return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype,
+            tensor.get_device())
 
 
 @functools.cache
@@ -243,8 +247,8 @@ def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
         else:
             raise _not_a_tensor(name, tensor)
         if first is None:
-            first, where = tensor, signature[3]
-        elif signature[3] != where:  # device indices of tensors with cached views
+            first, where = tensor, signature[4]
+        elif signature[4] != where:  # device indices of tensors with cached views
             raise _device_error(fn, tensors, names)
         arrays.append(array)
     return None if first is None else first.device, arrays

@@ -144,6 +144,19 @@ def _check_block_mask(block_mask, L: int, S: int, fn: str) -> None:
     if tuple(block_mask.seq_lengths) != (L, S):
         raise ValueError(f"{fn}: block_mask was built for (Q_LEN, KV_LEN) = "
                          f"{tuple(block_mask.seq_lengths)} but q has length {L} and k {S}.")
+    _check_block_size(tuple(block_mask.BLOCK_SIZE), fn)
+
+
+_MIN_BLOCK = 16  # the kernels' smallest tile: a BlockMask block holds whole tiles
+
+
+def _check_block_size(block_size: tuple[int, int], fn: str) -> None:
+    if min(block_size) < _MIN_BLOCK:
+        raise ValueError(
+            f"{fn}: BLOCK_SIZE {block_size} is below {_MIN_BLOCK}. jattn's kernels work on "
+            f"tiles of at least {_MIN_BLOCK} queries and keys, and a block must hold whole "
+            f"tiles; build the mask with BLOCK_SIZE={_MIN_BLOCK} or more (the attention it "
+            "describes is the same at any block size).")
 
 
 def _with_q_major(fields: list, seq_lengths, block_size) -> list:
@@ -302,6 +315,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         device = torch.device("cuda", torch.cuda.current_device())
     platform = "cuda" if device.type == "cuda" else "cpu"
     block_size = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    _check_block_size(block_size, "create_block_mask")
     jax_mask_mod = mask_mod
     if callable(mask_mod):
         translation, tensors = capture(mask_mod, "mask")
