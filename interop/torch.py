@@ -300,7 +300,6 @@ def _default_device() -> torch.device:
     return torch.device(current) if current is not None else torch.device("cpu")
 
 
-@torch.compiler.disable  # builds with JAX; under torch.compile it runs as it does eagerly
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       device=None, BLOCK_SIZE: int | tuple[int, int] = 128,
                       _compile: bool = False):
@@ -309,7 +308,13 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     current accelerator (else the CPU), BLOCK_SIZE is an int or (Q, KV) tuple, _compile is
     accepted and has no effect (the builder is JAX-compiled). The lists are shared with JAX
     without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
-    or a JAX function; the BlockMask keeps it as given."""
+    or a JAX function; the BlockMask keeps it as given. Under torch.compile the builder runs
+    eagerly (a graph break: it is a JAX program, not torch ops)."""
+    return _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+
+
+@torch.compiler.disable  # a JAX program: torch.compile calls it as it is
+def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     device = _default_device() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

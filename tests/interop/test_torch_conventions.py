@@ -1,0 +1,192 @@
+"""interop.torch as a drop-in for torch.nn.attention.flex_attention: torch's signatures,
+defaults, outputs, dtype handling and stride order, BlockMasks as torch builds them, and
+torch.compile(fullgraph=True) of a module that uses the op."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+flex = pytest.importorskip("torch.nn.attention.flex_attention")
+import interop.torch as jt  # noqa: E402
+from tests.interop.torch_reference import torch_flex  # noqa: E402
+
+B, HQ, HKV, L, E = 2, 4, 2, 96, 16
+GEN = torch.Generator().manual_seed(1)
+
+
+def _qkv(dtype=torch.float32, requires_grad=False):
+    shapes = [(B, HQ, L, E), (B, HKV, L, E), (B, HKV, L, E)]
+    return [torch.randn(s, generator=GEN).to(dtype).requires_grad_(requires_grad)
+            for s in shapes]
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _close(actual, expected, tol=1e-5):
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
+
+
+def test_positional_arguments_in_torchs_order():
+    q, k, v = _qkv()
+    mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    out, lse = jt.flex_attention(q, k, v, None, mask, 0.5, True, True, {"BLOCK_M": 64})
+    expected, expected_lse = torch_flex(q, k, v, None, _causal, scale=0.5, return_lse=True)
+    _close(out, expected)
+    _close(lse, expected_lse)
+
+
+def test_return_aux_gives_torchs_aux_output():
+    q, k, v = _qkv()
+    out, aux = jt.flex_attention(q, k, v, enable_gqa=True,
+                                 return_aux=flex.AuxRequest(lse=True))
+    assert isinstance(aux, flex.AuxOutput) and aux.max_scores is None
+    expected, expected_aux = torch_flex(q, k, v, return_aux=flex.AuxRequest(lse=True))
+    _close(out, expected)
+    _close(aux.lse, expected_aux.lse)
+    _, empty = jt.flex_attention(q, k, v, enable_gqa=True, return_aux=flex.AuxRequest())
+    assert empty.lse is None
+    with pytest.raises(ValueError, match="return_lse or return_aux, not both"):
+        jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                          return_aux=flex.AuxRequest(lse=True))
+    with pytest.raises(NotImplementedError, match="max_scores"):
+        jt.flex_attention(q, k, v, enable_gqa=True,
+                          return_aux=flex.AuxRequest(max_scores=True))
+    with pytest.raises(TypeError, match="kernel_options"):
+        jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=64)
+
+
+def test_create_block_mask_takes_torchs_arguments():
+    torch_mask = flex.create_block_mask(_causal, B, None, L, L, "cpu", (16, 32))
+    for mask in (jt.create_block_mask(_causal, B, None, L, L, "cpu", (16, 32)),
+                 jt.create_block_mask(_causal, B, None, L, L, device="cpu",
+                                      BLOCK_SIZE=(16, 32), _compile=True)):
+        assert tuple(mask.BLOCK_SIZE) == (16, 32) and mask.kv_num_blocks.device.type == "cpu"
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks"):
+            assert torch.equal(getattr(mask, name).long(), getattr(torch_mask, name).long())
+    default = jt.create_block_mask(_causal, None, None, L, L)
+    assert default.kv_num_blocks.device == flex.create_block_mask(
+        _causal, None, None, L, L).kv_num_blocks.device  # torch's default device
+    assert tuple(default.BLOCK_SIZE) == (128, 128)
+    with pytest.raises(ValueError, match="BLOCK_SIZE \\(8, 8\\) is below 16"):
+        jt.create_block_mask(_causal, None, None, L, L, "cpu", 8)
+    compiled = torch.compile(jt.create_block_mask)(_causal, None, None, L, L, "cpu", 32)
+    assert torch.equal(compiled.kv_indices, jt.create_block_mask(
+        _causal, None, None, L, L, "cpu", 32).kv_indices)
+
+
+def test_a_block_mask_without_q_major_lists_trains():
+    """torch's BlockMask.from_kv_blocks(compute_q_blocks=False): the forward needs only the
+    kv-major lists; the backward derives the q-major ones. Same results as the full mask."""
+    full = flex.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    kv_only = flex.BlockMask.from_kv_blocks(
+        full.kv_num_blocks, full.kv_indices, full.full_kv_num_blocks, full.full_kv_indices,
+        BLOCK_SIZE=32, mask_mod=_causal, seq_lengths=(L, L), compute_q_blocks=False)
+    assert kv_only.q_num_blocks is None
+    q, k, v = _qkv(requires_grad=True)
+    d_out = torch.randn(B, HQ, L, E, generator=GEN)
+    results = []
+    for mask in (full, kv_only):
+        out = jt.flex_attention(q, k, v, None, mask, enable_gqa=True)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), d_out)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    _close(results[1][0], torch_flex(q, k, v, None, _causal))
+
+
+@pytest.mark.parametrize("k_dtype", [torch.float16, torch.bfloat16])
+def test_a_float32_query_with_lower_precision_keys(k_dtype):
+    q, k, v = _qkv()
+    k, v = k.to(k_dtype), v.to(k_dtype)
+    out = jt.flex_attention(q, k, v, enable_gqa=True)
+    assert out.dtype == torch.float32
+    _close(out, torch_flex(q, k, v))
+
+
+def test_float64_inputs_give_float64_outputs():
+    q, k, v = _qkv(torch.float64)
+    out, lse = jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    assert out.dtype == torch.float64 and lse.dtype == torch.float32
+    expected = torch_flex(q, k, v)
+    _close(out, expected, 1e-5)  # computed in float32 (README)
+
+
+def test_the_output_follows_the_querys_stride_order():
+    q = torch.randn(B, L, HQ, E, generator=GEN).transpose(1, 2)  # [B, H, L, E] over BLHE
+    k, v = (torch.randn(B, L, HKV, E, generator=GEN).transpose(1, 2) for _ in range(2))
+    out = jt.flex_attention(q, k, v, enable_gqa=True)
+    expected = torch_flex(q, k, v)
+    assert out.stride() == expected.stride() == q.stride()
+    _close(out, expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch.compile(fullgraph=True) of a module using the op
+# ------------------------------------------------------------------------------------------------
+
+SETTINGS = {"softcap": 20.0}
+
+
+class _Attention(torch.nn.Module):
+    """A module whose score_mod is a bound method reading a parameter and a global dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_bias = torch.nn.Parameter(torch.randn(HQ, generator=GEN))
+
+    def score(self, score, b, h, q_idx, kv_idx):
+        cap = SETTINGS["softcap"]
+        return cap * torch.tanh(score / cap) + self.head_bias[h]
+
+    def forward(self, q, k, v, mask):
+        return jt.flex_attention(q, k, v, self.score, mask, enable_gqa=True)
+
+
+def test_a_compiled_module_sees_changed_mod_state_without_warnings():
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = _qkv(requires_grad=True)
+    module, counter = _Attention(), CompileCounter()
+    mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    compiled = torch.compile(module, backend=counter, fullgraph=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _close(compiled(q, k, v, mask), module(q, k, v, mask))
+            SETTINGS["softcap"] = 2.0  # a changed scalar: one re-trace
+            _close(compiled(q, k, v, mask), module(q, k, v, mask))
+            with torch.no_grad():
+                module.head_bias.mul_(3.0)  # an in-place edit: no re-trace
+            _close(compiled(q, k, v, mask), module(q, k, v, mask))
+            module.head_bias = torch.nn.Parameter(torch.randn(HQ, generator=GEN))
+            out = compiled(q, k, v, mask)  # a new tensor of the same shape: no re-trace
+            _close(out, module(q, k, v, mask))
+        assert counter.frame_count == 2
+        dynamo = [w for w in caught if "_dynamo" in w.filename or "Dynamo" in str(w.message)]
+        assert not dynamo, [str(w.message) for w in dynamo]
+        out.sum().backward()
+        assert module.head_bias.grad is not None and q.grad is not None
+    finally:
+        SETTINGS["softcap"] = 20.0
+
+
+def test_compiled_calls_with_a_fresh_closure_each_step_do_not_recompile():
+    from torch._dynamo.testing import CompileCounter
+
+    q, k, v = _qkv()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def attend(q, k, v, score_mod):
+        return jt.flex_attention(q, k, v, score_mod, enable_gqa=True)
+
+    for _ in range(3):
+        bias = torch.randn(HQ, generator=GEN)
+
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+
+        _close(attend(q, k, v, add_bias), torch_flex(q, k, v, add_bias))
+    assert counter.frame_count == 1
