@@ -102,11 +102,14 @@ def bench_matmul(n: int, device: str) -> dict:
                       lambda: direct(ja, jb), jt.matmul, lambda: torch.mm(a, b), a, (b,))
 
 
-def bench_flex_overhead(L: int, device: str) -> dict:
+def bench_flex_overhead(L: int, device: str, *, with_mod: bool = False) -> dict:
     """Per-call cost of a small causal flex attention (B1 H2): the op vs the direct call, and
     torch's own compiled flex_attention on the same tensors. The direct call takes q, k, v as
     the op does (three arguments, one array here), its BlockMask a constant of the jitted
-    function (cheaper to dispatch than the op's kv-major lists as arguments)."""
+    function (cheaper to dispatch than the op's kv-major lists as arguments). with_mod adds
+    an ALiBi score_mod closing over a slopes tensor: torch-written for the op (its state
+    guarded and its tensor looked up on every call), jattn.mods.alibi with the slopes as an
+    argument for the direct call."""
     from torch.nn.attention import flex_attention as tflex
 
     D, dtype = SHAPES[device]["head_dim"], SHAPES[device]["dtype"]
@@ -114,13 +117,21 @@ def bench_flex_overhead(L: int, device: str) -> dict:
     mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, device=device)
     jq = jax.dlpack.from_dlpack(q)
     jmask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
-    direct = jax.jit(lambda q, k, v: jattn.flex_attention(q, k, v, None, jmask))
+    slopes = torch.exp2(-torch.arange(1, 3, device=device, dtype=torch.float32))
+    jslopes = jax.dlpack.from_dlpack(slopes)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    score_mod = alibi if with_mod else None
+    direct = jax.jit(lambda q, k, v, s: jattn.flex_attention(
+        q, k, v, jattn.mods.alibi(s) if with_mod else None, jmask))
     compiled = torch.compile(tflex.flex_attention)
-    return _timed_row("flex_attention",
-                      f"B1 H2 L{L} D{D} causal {str(dtype).removeprefix('torch.')}", device,
-                      lambda: direct(jq, jq, jq),
-                      lambda q, k, v: jt.flex_attention(q, k, v, None, mask),
-                      lambda: compiled(q, q, q, block_mask=mask), q, (q, q))
+    name = f"B1 H2 L{L} D{D} causal{' alibi' if with_mod else ''} "
+    return _timed_row("flex_attention", name + str(dtype).removeprefix("torch."), device,
+                      lambda: direct(jq, jq, jq, jslopes),
+                      lambda q, k, v: jt.flex_attention(q, k, v, score_mod, mask),
+                      lambda: compiled(q, q, q, score_mod, block_mask=mask), q, (q, q))
 
 
 def bench_end_to_end(name, B, H, L, D) -> dict:
@@ -168,7 +179,8 @@ def main():
     rows = []
     sizes = SHAPES[args.device]
     for r in ([bench_matmul(n, args.device) for n in sizes["matmul"]]
-              + [bench_flex_overhead(L, args.device) for L in sizes["flex"]]):
+              + [bench_flex_overhead(L, args.device) for L in sizes["flex"]]
+              + [bench_flex_overhead(L, args.device, with_mod=True) for L in sizes["flex"]]):
         rows.append(r)
         print(f"{r['op']} {r['shape']}: direct jax {r['jax_us']:.1f} us; interop.torch "
               f"same tensors {r['interop_us']:.1f} us (added {r['added_us']:+.1f}), new tensor "

@@ -336,3 +336,46 @@ def test_an_untranslatable_op_names_itself_and_the_mod():
 
     with pytest.raises(NotImplementedError, match="score_mod .*zeta uses aten.special_zeta"):
         jt.flex_attention(*_qkv(), zeta)
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU: the Pallas kernels, against torch's own (compiled) flex_attention
+# ------------------------------------------------------------------------------------------------
+
+def _cuda_score_mods() -> dict:
+    """Some of SCORE_MODS, over CUDA copies of the tensors they read."""
+    bias, docs, offsets, head = (t.cuda() for t in (BIAS, DOCS, OFFSETS, HEAD))
+    return {
+        "chained_index": lambda s, b, h, q, kv: s + bias[b][h][q][kv],
+        "nested_gather": lambda s, b, h, q, kv: s + (q - offsets[docs[q]]) * 0.01,
+        "shifts": SCORE_MODS["shifts"],
+        "full_like": SCORE_MODS["full_like"],
+        "module": _Alibi().cuda(),
+        "partial": functools.partial(_partial_bias, table=head * 2),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["chained_index", "nested_gather", "shifts", "full_like",
+                                  "module", "partial"])
+def test_on_cuda_mods_and_changed_state_agree_with_torch(name):
+    """bf16 on CUDA: a torch mod and a document mask rebuilt over new per-step ids, three
+    steps with the mod's state changed in between; each step against the float64 reference,
+    with torch's bf16 flex_attention as the low-precision reference."""
+    q, k, v = (x.to("cuda", torch.bfloat16) for x in _qkv())
+    mod = _cuda_score_mods()[name]
+    scale = {"value": 1.0}
+    for step in range(3):
+        documents = (torch.arange(L, device="cuda") + 7 * step) // 29
+
+        def same_document(b, h, q_idx, kv_idx):
+            return documents[q_idx] == documents[kv_idx]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return mod(score, b, h, q_idx, kv_idx) * scale["value"]
+
+        mask = jt.create_block_mask(same_document, None, None, L, L, "cuda", 32)
+        out = jt.flex_attention(q, k, v, score_mod, mask)
+        assert_like_torch(out, dense(*as64(q, k, v), score_mod, same_document),
+                          torch_flex(q, k, v, score_mod, same_document))
+        scale["value"] *= 0.5
