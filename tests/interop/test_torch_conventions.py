@@ -130,25 +130,40 @@ SETTINGS = {"softcap": 20.0}
 
 
 class _Attention(torch.nn.Module):
-    """A module whose score_mod is a bound method reading a parameter and a global dict."""
+    """A module whose score_mod reads a parameter and a global dict: a function closing over
+    the module (`as_method=False`) or the module's bound method."""
 
-    def __init__(self):
+    def __init__(self, as_method: bool):
         super().__init__()
         self.head_bias = torch.nn.Parameter(torch.randn(HQ, generator=GEN))
+        self.score_mod = self.score if as_method else self._closure()
+
+    def _closure(self):
+        def score(score, b, h, q_idx, kv_idx):
+            cap = SETTINGS["softcap"]
+            return cap * torch.tanh(score / cap) + self.head_bias[h]
+        return score
 
     def score(self, score, b, h, q_idx, kv_idx):
         cap = SETTINGS["softcap"]
         return cap * torch.tanh(score / cap) + self.head_bias[h]
 
     def forward(self, q, k, v, mask):
-        return jt.flex_attention(q, k, v, self.score, mask, enable_gqa=True)
+        return jt.flex_attention(q, k, v, self.score_mod, mask, enable_gqa=True)
 
 
-def test_a_compiled_module_sees_changed_mod_state_without_warnings():
+# torch < 2.13 hands assume_constant_result only tensors and constants, not a module (README)
+_METHODS_COMPILE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+@pytest.mark.parametrize("as_method", [
+    False, pytest.param(True, marks=pytest.mark.skipif(
+        not _METHODS_COMPILE, reason="a module's bound method compiles from torch 2.13"))])
+def test_a_compiled_module_sees_changed_mod_state_without_warnings(as_method):
     from torch._dynamo.testing import CompileCounter
 
     q, k, v = _qkv(requires_grad=True)
-    module, counter = _Attention(), CompileCounter()
+    module, counter = _Attention(as_method), CompileCounter()
     mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
     compiled = torch.compile(module, backend=counter, fullgraph=True)
     try:

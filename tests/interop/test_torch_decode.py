@@ -194,7 +194,7 @@ def test_assign_rejects_bad_positions_and_shapes():
 def test_opcheck():
     q, k, v = _qkv()
     score_mod, _, mask_mod, _ = _mods("cpu")
-    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE)
+    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE, device="cpu")
     lists, block_size = jt._mask_tensors(block_mask, S, S)
     mods, captures = _ops.capture_mods(score_mod, mask_mod)
     captures = list(captures)
@@ -212,7 +212,7 @@ def test_opcheck():
 def test_compiles_without_graph_breaks():
     q, k, v = _qkv()
     score_mod, _, mask_mod, _ = _mods("cpu")
-    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE)
+    block_mask = jt.create_block_mask(mask_mod, None, None, S, S, BLOCK_SIZE=PAGE, device="cpu")
     cache = _paged_cache(k, v, KV_LEN)
 
     def step(q, cache, kv_len):
@@ -290,7 +290,7 @@ def test_bad_block_mask_raises():
     with pytest.raises(TypeError, match="`block_mask` must be a torch BlockMask"):
         jt.flex_decode(q, k, v, None, jattn.create_block_mask(jattn.masks.causal_mask, None,
                                                               None, S, S))
-    short = jt.create_block_mask(jattn.masks.causal_mask, None, None, S, S // 2)
+    short = jt.create_block_mask(jattn.masks.causal_mask, None, None, S, S // 2, device="cpu")
     with pytest.raises(ValueError, match="covers \\(Q_LEN=160, KV_LEN=80\\).*build it for "
                                          "\\(160, 160\\)"):
         jt.flex_decode(q, k, v, None, short)

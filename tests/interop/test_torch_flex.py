@@ -96,7 +96,7 @@ def test_torch_block_mask_agrees_with_torch_flex_attention():
 
 def test_opcheck():
     q, k, v = _qkv()
-    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, device="cpu")
     lists, block_size = jt._mask_tensors(block_mask, L, L)
     table = torch.randn(HQ, 9, requires_grad=True)
     mods, captures = _ops.capture_mods(lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9],
@@ -119,7 +119,7 @@ def test_eager_path_matches_the_registered_op(return_lse):
     ops (the LSE kept on the JAX side unless returned): same outputs and gradients, bit for
     bit, for q, k, v and a captured table."""
     q, k, v = _qkv()
-    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, device="cpu")
     table = torch.randn(HQ, 9, requires_grad=True)
     score_mod = lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9]  # noqa: E731
     mods, _ = _ops.capture_mods(score_mod, jattn.masks.causal_mask)
@@ -151,7 +151,7 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     """No input or captured table requiring grad (or grad mode off): the op runs without its
     autograd.Function, with the same outputs bit for bit and no graph recorded."""
     q, k, v = (t.detach() for t in _qkv())
-    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, device="cpu")
     table = torch.randn(HQ, 9, generator=torch.Generator().manual_seed(6))
     score_mod = lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9]  # noqa: E731
 
@@ -201,7 +201,7 @@ def test_block_masks_of_one_layout_share_a_plan_and_keep_their_lists():
 
 def test_compiles_without_graph_breaks():
     q, k, v = _qkv()
-    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, device="cpu")
     score_mod = jattn.mods.softcap(20.0)
 
     def attend(q, k, v):
@@ -218,7 +218,7 @@ def test_bad_input_raises():
     with pytest.raises(TypeError, match="`block_mask` must be a torch BlockMask"):
         jt.flex_attention(q, k, v, None, jattn.create_block_mask(jattn.masks.causal_mask,
                                                                   None, None, L, L))
-    other = jt.create_block_mask(jattn.masks.causal_mask, None, None, 2 * L, L)
+    other = jt.create_block_mask(jattn.masks.causal_mask, None, None, 2 * L, L, device="cpu")
     with pytest.raises(ValueError, match="built for \\(Q_LEN, KV_LEN\\) = \\(400, 200\\)"):
         jt.flex_attention(q, k, v, None, other, enable_gqa=True)
     with pytest.raises(ValueError, match="pass enable_gqa=True"):
@@ -242,7 +242,7 @@ def test_torch_written_mods_agree_with_torch_flex_attention(mask, mod):
     table = torch.randn(HQ, 2 * RADIUS + 1)
     score_mod = torch_score_mod(mod, SLOPES, table, RADIUS)
     ours_mask = jt.create_block_mask(torch_mask(mask, SEGMENTS), None, None, L, L,
-                                     BLOCK_SIZE=64)
+                                     BLOCK_SIZE=64, device="cpu")
     torch_block_mask = flex.create_block_mask(torch_mask(mask, SEGMENTS), None, None, L, L,
                                               device="cpu", BLOCK_SIZE=64)
     out, lse = jt.flex_attention(q, k, v, score_mod, ours_mask, enable_gqa=True,
@@ -258,7 +258,8 @@ def test_captured_table_gets_the_gradient_jattn_gives():
     the table equals JAX's for the same table through jattn.mods.relative_position_bias."""
     q, k, v = _qkv()
     table = torch.randn(HQ, 2 * RADIUS + 1, requires_grad=True)
-    block_mask = jt.create_block_mask(torch_mask("causal", SEGMENTS), None, None, L, L)
+    block_mask = jt.create_block_mask(torch_mask("causal", SEGMENTS), None, None, L, L,
+                                      device="cpu")
     out = jt.flex_attention(q, k, v, torch_score_mod("relative", SLOPES, table, RADIUS),
                             block_mask, enable_gqa=True)
     d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
