@@ -18,14 +18,14 @@ hands them to the op. So:
 
 Trampolines are made per mod code object (or class, for callable objects), so each has its
 own Dynamo cache and recompile limit; one that reaches the limit is replaced by a fresh one.
-A mod whose code reads no state at all (no closure, defaults or globals other than modules
-and builtins) skips the trampoline after its first translation.
+Dynamo's call path costs tens of microseconds, so the guards it installed on what the mod reads
+are also replayed in Python (`_FastGuard`): a call whose mod passes them skips the trampoline.
+A translation with a guard of a kind the replay does not check always goes through Dynamo.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import dis
 import functools
 import inspect
 import itertools
@@ -53,13 +53,20 @@ class Translation:
     For a mod used inside a user's torch.compile, as Python that Dynamo traces there:
     fetch(mod) returns the tensors the mod reads (in `mod`'s capture order), read_state(mod)
     the Python scalars the translation depends on (for Dynamo to guard on, so that a changed
-    one re-traces). Both None for JAX mods."""
+    one re-traces). Both None for JAX mods. guards: the kinds of the guards Dynamo installed
+    on what the mod reads, read_guarded(mod) the values they guard (None where some guard is
+    of a kind `_FastGuard` does not check: such a mod always goes through Dynamo)."""
 
     key: str
     mod: _translate.TranslatedMod
     fetch: Callable | None
     read_state: Callable | None
-    is_torch: bool
+    guards: tuple[str, ...] | None = None
+    read_guarded: Callable | None = None
+
+    @property
+    def is_torch(self) -> bool:
+        return self.fetch is not None
 
 
 # Every live translation by key: the ops receive keys (strings are what a torch op and a
@@ -70,9 +77,11 @@ _KEYS = itertools.count()
 _LOCK = threading.RLock()
 
 
-def _register(mod: _translate.TranslatedMod, fetch=None, read_state=None) -> Translation:
+def _register(mod: _translate.TranslatedMod, fetch=None, read_state=None, guards=None,
+              read_guarded=None) -> Translation:
     with _LOCK:
-        translation = Translation(f"m{next(_KEYS)}", mod, fetch, read_state, fetch is not None)
+        translation = Translation(f"m{next(_KEYS)}", mod, fetch, read_state, guards,
+                                  read_guarded)
         _TRANSLATIONS[translation.key] = translation
         while len(_TRANSLATIONS) > _MAX_TRANSLATIONS:
             _TRANSLATIONS.popitem(last=False)
@@ -145,24 +154,21 @@ def _reader(source_names: list[str], namespace: dict) -> Callable:
     return eval(source, {})(**bound)  # noqa: S307  (Dynamo's own source expressions)
 
 
-# Guards on what a mod reads (not on torch's internals, the trampoline or its arguments).
-_INTERNAL = re.compile(r"^G\['__import_torch(_dot_|')|^G\['__builtins|^__import__|^L\['args'\]")
-
-
+# Guards on torch's internals, the trampoline's arguments and global state are not about what a
+# mod reads.
+_INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|^G\['__builtins|"
+                       r"^L\['args'\]")
 _SCALAR_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 
 
-def _state_sources() -> list[str]:
-    """The sources of the Python scalars (numbers, flags, strings, None) that the trace being
-    compiled guards on: what a changed value must re-trace."""
+def _user_guards() -> list[tuple[str, str]]:
+    """(kind, source) of each guard the trace being compiled installs on what the mod reads."""
     context = torch._guards.TracingContext.try_get()
-    names = set()
+    found = set()
     for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
-        name = guard.name
-        if (name and guard.create_fn_name() in _SCALAR_GUARDS and not _INTERNAL.match(name)
-                and name.startswith(("L['mod']", "G["))):
-            names.add(name)
-    return sorted(names)
+        if guard.name and not _INTERNAL.search(guard.name):
+            found.add((guard.create_fn_name(), guard.name))
+    return sorted(found)
 
 
 def _backend(kind: str, name: str, namespace: dict):
@@ -192,9 +198,13 @@ def _backend(kind: str, name: str, namespace: dict):
         captured_dtypes = [example_inputs[slot].dtype for slot in capture_slots]
         for dtype in captured_dtypes:
             _translate.jax_dtype(dtype)  # raises for a dtype jattn cannot compute in
-        translation = _register(_translate.translate(core, arg_slots, capture_slots),
-                                _reader(sources, namespace),
-                                _reader(_state_sources(), namespace))
+        guards = _user_guards()
+        scalars = [name for kind, name in guards if kind in _SCALAR_GUARDS]
+        checkable = all(kind in _GUARD_CHECKS for kind, _ in guards)
+        translation = _register(
+            _translate.translate(core, arg_slots, capture_slots), _reader(sources, namespace),
+            _reader(scalars, namespace), tuple(kind for kind, _ in guards) if checkable else None,
+            _reader([name for _, name in guards], namespace) if checkable else None)
 
         def run(*inputs):
             _SLOT.value = translation, tuple(inputs[slot] for slot in capture_slots)
@@ -245,39 +255,100 @@ def _chain(error: BaseException):
 
 
 # ------------------------------------------------------------------------------------------------
-# Mods that read no state: translated once per code object
+# Dynamo's guards, replayed in Python
 # ------------------------------------------------------------------------------------------------
 
-_STATELESS = (types.ModuleType, types.BuiltinFunctionType)
+def _same_constant(value, expected) -> bool:
+    return type(value) is type(expected) and (value == expected or (
+        value != value and expected != expected))  # NaN
 
 
-@functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> tuple[str, ...] | None:
-    """The globals `code` loads, or None if it holds nested code (whose state it may read)."""
-    if any(isinstance(c, types.CodeType) for c in code.co_consts):
+def _tensor_signature(value):
+    if not isinstance(value, torch.Tensor):
         return None
-    return tuple(sorted({i.argval for i in dis.get_instructions(code)
-                         if i.opname == "LOAD_GLOBAL"}))
+    return value.shape, value.dtype, value.device
 
 
-def _stateless_globals(mod) -> tuple | None:
-    """For a plain function reading nothing but modules and builtins: its code and those
-    globals (what must stay the same), else None."""
-    if (type(mod) is not types.FunctionType or mod.__closure__ or mod.__defaults__
-            or mod.__kwdefaults__):
-        return None
-    names = _global_names(mod.__code__)
-    if names is None:
-        return None
-    space, builtins = mod.__globals__, mod.__builtins__
-    values = tuple(space[n] if n in space else getattr(builtins, "get", lambda _: None)(n)
-                   for n in names)
-    if not all(isinstance(v, _STATELESS) for v in values):
-        return None
-    return (mod.__code__, names, values)
+def _identity_of(value):
+    """What an identity guard compares: a weak reference where the object takes one (the
+    guard must not keep a mod's objects alive), else the object (builtins, immortal)."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda value=value: value
 
 
-_STATELESS_TRANSLATIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _code_or_identity(value):
+    return value.__code__ if isinstance(value, types.FunctionType) else _identity_of(value)
+
+
+def _is_same_code(value, expected) -> bool:
+    if isinstance(value, types.FunctionType):
+        return value.__code__ is expected
+    return not isinstance(expected, types.CodeType) and value is expected()
+
+
+# guard kind -> (what to record of the guarded value, whether a value matches the record):
+# the guards Dynamo installs on the values a mod reads, as Dynamo checks them.
+_GUARD_CHECKS = {
+    "CONSTANT_MATCH": (lambda v: v, _same_constant),
+    "EQUALS_MATCH": (lambda v: v, _same_constant),
+    "TYPE_MATCH": (type, lambda v, e: type(v) is e),
+    "SEQUENCE_LENGTH": (len, lambda v, e: len(v) == e),
+    "LENGTH_CHECK": (len, lambda v, e: len(v) == e),
+    "DICT_KEYS_MATCH": (lambda v: list(v.keys()), lambda v, e: list(v.keys()) == e),
+    "DICT_KEYS": (lambda v: list(v.keys()), lambda v, e: list(v.keys()) == e),
+    "TENSOR_MATCH": (_tensor_signature, lambda v, e: _tensor_signature(v) == e),
+    "CLOSURE_MATCH": (_code_or_identity, _is_same_code),
+    "FUNCTION_MATCH": (_code_or_identity, _is_same_code),
+    "ID_MATCH": (_identity_of, lambda v, e: v is e()),
+    "BUILTIN_MATCH": (_identity_of, lambda v, e: v is e()),
+    "MODULE_MATCH": (_identity_of, lambda v, e: v is e()),
+    "CLASS_MATCH": (_identity_of, lambda v, e: v is e()),
+}
+
+
+class _FastGuard:
+    """One translation's Dynamo guards on the values its mod reads, checked in Python (a few
+    microseconds against Dynamo's call path): a mod that passes them is one Dynamo would pass
+    to the same translation, and fetch(mod) gives the tensors Dynamo would hand over."""
+
+    def __init__(self, translation: Translation, mod, tensors):
+        values = translation.read_guarded(mod)
+        self.checks = [_GUARD_CHECKS[kind][1] for kind in translation.guards]
+        self.expected = [_GUARD_CHECKS[kind][0](v) for kind, v in zip(translation.guards, values)]
+        self.translation = translation
+        if not all(check(v, e) for check, v, e in zip(self.checks, values, self.expected)) or (
+                len(fetched := translation.fetch(mod)) != len(tensors)
+                or any(a is not b for a, b in zip(fetched, tensors))):
+            raise ValueError("the replayed guards do not reproduce Dynamo's capture")
+
+    def __call__(self, mod):
+        """The tensors mod reads now if every guard passes, else None."""
+        try:
+            values = self.translation.read_guarded(mod)
+        except Exception:  # noqa: BLE001  (a value gone or changed type: a guard fails)
+            return None
+        for check, value, expected in zip(self.checks, values, self.expected):
+            if not check(value, expected):
+                return None
+        return self.translation.fetch(mod)
+
+
+_FAST_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # identity -> list
+_MAX_FAST_GUARDS = 4  # per code object: the translations of its latest states
+
+
+def _remember(identity, mod, translation: Translation, tensors) -> None:
+    if translation.guards is None:
+        return
+    try:
+        guard = _FastGuard(translation, mod, tensors)
+    except Exception:  # noqa: BLE001  (a source we cannot read: Dynamo checks this one)
+        return
+    with _LOCK:
+        guards = [g for g in _FAST_GUARDS.get(identity, ()) if g.translation is not translation]
+        _FAST_GUARDS[identity] = [guard, *guards][:_MAX_FAST_GUARDS]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -291,10 +362,10 @@ def capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
         raise TypeError(f"{kind}_mod must be callable {_SIGNATURES[kind]}, got "
                         f"{type(mod).__name__}.")
     identity = _code_identity(mod)
-    if type(mod) is types.FunctionType:
-        known = _STATELESS_TRANSLATIONS.get(mod.__code__)
-        if known is not None and known[0] == _stateless_globals(mod):
-            return known[1], ()
+    for guard in _FAST_GUARDS.get(identity, ()):
+        tensors = guard(mod)
+        if tensors is not None:
+            return guard.translation, tensors
     if _JAX_MODS.get(identity):
         return _jax_translation(mod), ()
     with _LOCK:
@@ -305,9 +376,7 @@ def capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     if result is None:
         return _jax_translation(mod), ()
     translation, tensors = result
-    stateless = _stateless_globals(mod)
-    if stateless is not None and not tensors:
-        _STATELESS_TRANSLATIONS[mod.__code__] = (stateless, translation)
+    _remember(identity, mod, translation, tensors)
     return translation, tensors
 
 

@@ -113,6 +113,37 @@ def test_unchanged_state_reuses_the_translation():
     assert len(keys) == 1 and len(_capture._TRANSLATIONS) == before
 
 
+def test_what_dynamo_guards_is_checked_on_every_call():
+    """The guards replayed in Python catch each change Dynamo's would: a captured tensor of a
+    new shape, a mask swapped inside a list the mod iterates, a flag, a dict key."""
+    q, k, v = _qkv()
+    table = {"t": torch.randn(H, generator=GEN)}
+    masks = [lambda b, h, qi, ki: qi >= ki, lambda b, h, qi, ki: qi - ki < 40]
+    options = {"add": True}
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        bias = table["t"][h % table["t"].shape[0]]
+        return score + bias if options["add"] else score - bias
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = b.new_ones((), dtype=torch.bool)
+        for mask in masks:
+            allowed = allowed & mask(b, h, q_idx, kv_idx)
+        return allowed
+
+    outputs = [_check(q, k, v, score_mod, mask_mod)]
+    table["t"] = torch.randn(2, generator=GEN)  # a new shape
+    outputs.append(_check(q, k, v, score_mod, mask_mod))
+    masks[1] = lambda b, h, qi, ki: qi - ki < 8  # another function in the list
+    outputs.append(_check(q, k, v, score_mod, mask_mod))
+    options["add"] = False
+    outputs.append(_check(q, k, v, score_mod, mask_mod))
+    masks.append(lambda b, h, qi, ki: ki % 2 == 0)  # a longer list
+    outputs.append(_check(q, k, v, score_mod, mask_mod))
+    for before, after in zip(outputs, outputs[1:]):
+        assert not torch.allclose(before, after)
+
+
 def test_in_place_edits_of_a_captured_tensor_and_of_q_are_seen():
     q, k, v = _qkv()
     table = torch.randn(H, 2 * L, generator=GEN)
