@@ -88,6 +88,17 @@ def _register(mod: _translate.TranslatedMod, fetch=None, read_state=None, guards
         return translation
 
 
+def _live(translation: Translation) -> Translation:
+    """`translation`, registered again if the bounded registry dropped it (a cached
+    translation that is in use again)."""
+    if translation.key not in _TRANSLATIONS:
+        with _LOCK:
+            _TRANSLATIONS[translation.key] = translation
+            while len(_TRANSLATIONS) > _MAX_TRANSLATIONS:
+                _TRANSLATIONS.popitem(last=False)
+    return translation
+
+
 def lookup(key: str) -> Translation:
     translation = _TRANSLATIONS.get(key)
     if translation is None:
@@ -156,8 +167,8 @@ def _reader(source_names: list[str], namespace: dict) -> Callable:
 
 # Guards on torch's internals, the trampoline's arguments and global state are not about what a
 # mod reads.
-_INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|^G\['__builtins|"
-                       r"^L\['args'\]")
+_INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|G\['__builtins|"
+                       r"L\['args'\]")
 _SCALAR_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 
 
@@ -358,6 +369,11 @@ def _remember(identity, mod, translation: Translation, tensors) -> None:
 def capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     """The mod's translation and the tensors it reads now (its captured tensors, in the
     translation's order). Raises a clear error for a mod that cannot be translated."""
+    translation, tensors = _capture(mod, kind)
+    return _live(translation), tensors
+
+
+def _capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     if not callable(mod):
         raise TypeError(f"{kind}_mod must be callable {_SIGNATURES[kind]}, got "
                         f"{type(mod).__name__}.")
@@ -384,7 +400,7 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity):
     """(translation, tensors) from one trampoline call; None for a JAX mod."""
     _SLOT.value = None
     try:
-        trampoline.compiled(mod, *_EXAMPLES[kind])
+        out = trampoline.compiled(mod, *_EXAMPLES[kind])
     except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
         if _is_recompile_limit(error):
             with _LOCK:
@@ -395,9 +411,15 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity):
             return None
         raise _mod_error(mod, kind, error) from None
     result, _SLOT.value = getattr(_SLOT, "value", None), None  # holds no tensor past the call
-    if result is None:
-        raise RuntimeError(f"jattn: tracing {kind}_mod {_mod_name(mod)} produced no graph.")
-    return result
+    if result is not None:
+        return result
+    # No graph: the mod computes nothing on tensors (transformers' score_mod without softcap or
+    # bias returns `score`), and some torch versions then skip the backend.
+    for position, example in enumerate(_EXAMPLES[kind]):
+        if out is example:
+            return _argument_translation(position), ()
+    raise TypeError(f"{kind}_mod {_mod_name(mod)} returned {type(out).__name__} without "
+                    "computing on its arguments; it must return a tensor computed from them.")
 
 
 def _mod_error(mod, kind: str, error: BaseException) -> Exception:
@@ -445,6 +467,13 @@ def _is_jax_mod(mod, kind: str) -> bool:
     except Exception:  # noqa: BLE001  (anything failing on JAX arrays is not a JAX mod)
         return False
     return isinstance(out, jax.ShapeDtypeStruct)
+
+
+@functools.lru_cache(maxsize=None)  # one per argument position
+def _argument_translation(position: int) -> Translation:
+    """The translation of a mod that returns its argument at `position` unchanged."""
+    return _register(_translate.TranslatedMod(lambda captures, *args: args[position], 0),
+                     fetch=lambda mod: (), read_state=lambda mod: ())
 
 
 _JAX_TRANSLATIONS: OrderedDict[int, tuple] = OrderedDict()  # id(mod) -> (mod, translation)
