@@ -32,7 +32,7 @@ from torch import Tensor
 import jattn
 from interop._direct import DirectProgram
 from interop._capture import capture, lookup
-from interop._dlpack import jax_views, to_torch, wait_for_torch
+from interop._dlpack import jax_views, narrowed, to_torch, wait_for_torch
 from interop._translate import TranslatedMod
 from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
 
@@ -84,7 +84,9 @@ def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
     score, score_tensors = (None, ()) if score_mod is None else capture(score_mod, "score")
     mask, mask_tensors = (None, ()) if mask_mod is None else capture(mask_mod, "mask")
     key = f"{'' if score is None else score.key},{'' if mask is None else mask.key}"
-    return key, (*score_tensors, *mask_tensors)
+    # int64 ids narrowed once here, so that the forward and the backward share them and an
+    # eager forward can still be one directly launched kernel
+    return key, tuple(narrowed(t) for t in (*score_tensors, *mask_tensors))
 
 
 def _parts(mod) -> tuple:
@@ -350,21 +352,24 @@ class _EagerFlex(torch.autograd.Function):
             (q, k, v, *kv_lists, *captures))
         if direct is not None:
             out_tensor, lse_tensor = direct
-            ctx.arrays = out_tensor, lse_tensor
+            ctx.arrays = q, k, v, out_tensor, lse_tensor
             lse_tensor = lse_tensor.clone() if return_lse else None
         else:
-            (out, lse), device = _run_plan(plan, q, k, v, kv_lists, captures, return_lse=True)
+            (out, lse), device, qkv = _run_plan(plan, q, k, v, kv_lists, captures,
+                                                return_lse=True)
             out_tensor = to_torch(out, device)
             lse_tensor = to_torch(lse, device).clone() if return_lse else None
-            ctx.arrays = out, lse  # the backward reads them without crossing back
+            # the backward reads them without crossing again (q, k, v: no second copy of a
+            # strided input)
+            ctx.arrays = *qkv, out, lse
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
         ctx.masks, ctx.static = masks, plan.static
         return (out_tensor, lse_tensor) if return_lse else out_tensor
 
     @staticmethod
     def backward(ctx, d_out, d_lse=None):
-        q, k, v, _, *captures = ctx.saved_tensors
-        grads = iter(_flex_backward_op(d_out, d_lse, q, k, v, *ctx.arrays, ctx.masks, captures,
+        _, _, _, _, *captures = ctx.saved_tensors  # (checks that none changed in place)
+        grads = iter(_flex_backward_op(d_out, d_lse, *ctx.arrays, ctx.masks, captures,
                                        *ctx.static))
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
@@ -451,7 +456,7 @@ def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequ
         result = plan.direct[return_lse]((q, k, v, *kv_lists, *captures))
         if result is not None:
             return tuple(result) if return_lse else result[0]
-    result, device = _run_plan(plan, q, k, v, kv_lists, captures, return_lse=return_lse)
+    result, device, _ = _run_plan(plan, q, k, v, kv_lists, captures, return_lse=return_lse)
     if not return_lse:
         return to_torch(result, device)
     return to_torch(result[0], device), to_torch(result[1], device)
@@ -460,8 +465,8 @@ def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequ
 def _run_plan(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequence[Tensor],
               *, return_lse: bool):
     """The plan's program on q, k, v, the kv-major lists and the captured tensors: (its JAX
-    result, the tensors' device)."""
+    result, the tensors' device, the JAX views of q, k and v)."""
     device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *captures), plan.names)
     n = 3 + len(kv_lists)
     program = plan.forward_lse if return_lse else plan.forward
-    return program(*arrays[:3], arrays[3:n], arrays[n:]), device
+    return program(*arrays[:3], arrays[3:n], arrays[n:]), device, arrays[:3]
