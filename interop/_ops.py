@@ -182,10 +182,11 @@ def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod, *, kv_only: bool
                            mask_mod=mask_mod)
 
 
-def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, implementation):
+def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
+               config=None):
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
     kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
-    backward."""
+    backward. config: an AttentionConfig as `encode_config` writes it, or None."""
     score, mask = translated_mods(mods)
     n_score = 0 if score is None else score.n_captures
 
@@ -195,11 +196,27 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
         block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
                                       kv_only=kv_only)
         return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
-                  implementation=implementation, **kwargs)
+                  implementation=implementation, config=decode_config(config), **kwargs)
     return call
 
 
-_FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation")
+def encode_config(config: jattn.AttentionConfig | None) -> str | None:
+    """An AttentionConfig as an op argument (a string: ops take no dataclasses)."""
+    if config is None:
+        return None
+    return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items())
+
+
+def decode_config(text: str | None) -> jattn.AttentionConfig | None:
+    if text is None:
+        return None
+    fields = dict(item.split("=") for item in text.split(","))
+    return jattn.AttentionConfig(**{k: v if k == "compiler" else int(v)
+                                    for k, v in fields.items()})
+
+
+_FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation",
+                "config")
 
 
 @functools.lru_cache(maxsize=256)  # bounded: mods re-translated after a changed scalar add keys
@@ -252,12 +269,13 @@ def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Se
     return device, arrays[:first], arrays[first:first + n], arrays[first + n:]
 
 
-def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa,
-                 implementation) -> dict:
+def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
+                 config=None) -> dict:
     """The static jit arguments of a flex op call on tensors on `device`."""
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
-                implementation=implementation_for("flex_attention", device, implementation))
+                implementation=implementation_for("flex_attention", device, implementation),
+                config=config)
 
 
 _FORWARD_TENSORS = ("q", "k", "v")
@@ -276,9 +294,11 @@ def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
                   captures: list[Tensor], mods: str, block_size: list[int],
                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
-                  implementation: Optional[str]) -> tuple[Tensor, Tensor]:
+                  implementation: Optional[str],
+                  config: Optional[str]) -> tuple[Tensor, Tensor]:
     out, lse, device = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods, block_size,
-                                            seq_lengths, scale, enable_gqa, implementation)
+                                            seq_lengths, scale, enable_gqa, implementation,
+                                            config)
     return to_torch(out, device), to_torch(lse, device)
 
 
@@ -287,14 +307,15 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
                       captures: list[Tensor], mods: str,
                       block_size: list[int], seq_lengths: list[int],
                       scale: Optional[float], enable_gqa: bool,
-                      implementation: Optional[str]) -> list[Tensor]:
+                      implementation: Optional[str],
+                      config: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
     device, leading, lists, capture_arrays = ready_op_views(
         "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
         captures)
     grads = _flex_backward(*leading, lists, capture_arrays,
                            **_flex_static(device, mods, block_size, seq_lengths, scale,
-                                          enable_gqa, implementation))
+                                          enable_gqa, implementation, config))
     return [to_torch(g, device) for g in grads]
 
 
@@ -332,7 +353,7 @@ def _flex_autograd(ctx, d_out, d_lse):
                                                     mask_tensors, captures, *ctx.static)
     d_floats = iter(d_floats)
     d_captures = [next(d_floats) if c.is_floating_point() else None for c in captures]
-    return (dq, dk, dv, [None] * n_masks, d_captures, None, None, None, None, None, None)
+    return (dq, dk, dv, [None] * n_masks, d_captures, *[None] * len(ctx.static))
 
 
 flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_context)
@@ -396,7 +417,7 @@ class FlexPlan:
     jit's static-argument handling.
 
     static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
-    implementation as given). names: the argument names of (q, k, v, kv-major mask lists,
+    implementation as given, config). names: the argument names of (q, k, v, kv-major mask lists,
     captured tensors), for errors. forward, forward_lse: the jitted programs (q, k, v, mask
     arrays, capture arrays) -> out, or (out, lse). direct: for the Pallas kernels on CUDA,
     the two as `DirectProgram`s on (q, k, v, kv-major lists, captures), launched without JAX
@@ -411,7 +432,8 @@ class FlexPlan:
 
 
 # (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
-# scale, enable_gqa, implementation, device type) -> FlexPlan, the most recently used kept.
+# scale, enable_gqa, implementation, config, device type) -> FlexPlan, the most recently used
+# kept.
 FLEX_PLANS: OrderedDict[tuple, FlexPlan] = OrderedDict()
 _MAX_FLEX_PLANS = 256
 
@@ -423,8 +445,9 @@ def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
     if plan is not None:
         return plan
     mods, block_size, seq_lengths, n_lists, n_captures, *_, scale, enable_gqa, \
-        implementation, _ = key
-    static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation)
+        implementation, config, _ = key
+    static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation,
+              config)
     options = _flex_static(device, *static)
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None

@@ -197,6 +197,48 @@ def _lse_request(return_lse: bool, return_aux) -> bool:
     return return_aux.lse
 
 
+# torch's kernel_options -> AttentionConfig fields. torch's backward has a tile per kernel (M1 x
+# N1 for dK/dV, M2 x N2 for dQ); jattn's two backward kernels share one. Unprefixed warps and
+# stages set both passes; fwd_/bwd_ prefixes set one (and win).
+_KERNEL_OPTIONS = {"BLOCK_M": ("block_q",), "BLOCK_N": ("block_k",),
+                   "BLOCK_M1": ("bwd_block_q",), "BLOCK_M2": ("bwd_block_q",),
+                   "BLOCK_N1": ("bwd_block_k",), "BLOCK_N2": ("bwd_block_k",),
+                   "num_warps": ("num_warps", "bwd_num_warps"),
+                   "num_stages": ("num_stages", "bwd_num_stages"),
+                   "fwd_num_warps": ("num_warps",), "fwd_num_stages": ("num_stages",),
+                   "bwd_num_warps": ("bwd_num_warps",), "bwd_num_stages": ("bwd_num_stages",),
+                   "fwd_BLOCK_M": ("block_q",), "fwd_BLOCK_N": ("block_k",)}
+
+
+def _config(kernel_options) -> str | None:
+    """The AttentionConfig that torch's kernel_options ask for (its other fields at
+    AttentionConfig's defaults), encoded for the op; None when no key maps to one. Keys without
+    a jattn counterpart (PRESCALE_QK, BACKEND, USE_TMA, ...) are ignored."""
+    if kernel_options is None:
+        return None
+    if not isinstance(kernel_options, dict):
+        raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
+                        f"{type(kernel_options).__name__}.")
+    fields, sources = {}, {}
+    prefixed = lambda key: key.startswith(("fwd_", "bwd_"))  # noqa: E731
+    for key in sorted(kernel_options, key=prefixed):  # unprefixed first; prefixed ones win
+        for name in _KERNEL_OPTIONS.get(key, ()):
+            value = kernel_options[key]
+            if name in fields and not prefixed(key) and fields[name] != value:
+                raise ValueError(
+                    f"flex_attention: kernel_options {sources[name]}={fields[name]} and "
+                    f"{key}={value} set the same jattn tile ({name}): jattn's dQ and dK/dV "
+                    "kernels share one backward tile; give them the same value.")
+            fields[name], sources[name] = value, key
+    if not fields:
+        return None
+    try:
+        return _ops.encode_config(jattn.AttentionConfig(**fields))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"flex_attention: kernel_options {kernel_options} give an invalid "
+                         f"jattn config: {error}") from None
+
+
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype the kernels compute in: q's (float64 runs in float32, as JAX has no float64
     without x64), k and v cast to it as torch does."""
@@ -230,16 +272,16 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     `jattn.mods`. What a torch mod reads is re-read on every call: tensors it closes over are
     passed to the kernels (and get gradients), a changed Python value re-translates it (see
     the README). block_mask is a torch BlockMask (`create_block_mask` below, or torch's).
-    kernel_options is accepted for compatibility and ignored (jattn picks its own tiles).
+    kernel_options: BLOCK_M/BLOCK_N (forward tile), BLOCK_M1/N1/M2/N2 (jattn's one backward
+    tile), num_warps/num_stages (fwd_/bwd_ prefixed too) become a `jattn.AttentionConfig`,
+    its other fields at their defaults; other keys are ignored.
     Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True also the
     float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=True) torch's
     AuxOutput. In eager mode on CUDA, a forward that is one kernel compiled by the `triton`
     package is launched on torch's current stream without going through JAX (README).
     """
     want_lse = _lse_request(return_lse, return_aux)
-    if kernel_options is not None and not isinstance(kernel_options, dict):
-        raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
-                        f"{type(kernel_options).__name__}.")
+    config = _config(kernel_options)
     original, dtype = query, _compute_dtype(query)
     query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
                          else x for x in (query, key, value))
@@ -252,10 +294,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         mods, captures = _ops.traced_mods(score_mod, mask_mod)
         out, lse = _ops.traced_flex(query, key, value, mask_tensors, captures, mods,
                                     block_size, [L, S], scale, enable_gqa, implementation,
-                                    return_lse=True)
+                                    config, return_lse=True)
     else:
         out, lse = _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S,
-                               scale, enable_gqa, implementation, want_lse)
+                               scale, enable_gqa, implementation, config, want_lse)
     out = _follow_layout(out, original)
     if out.dtype != original.dtype:
         out = out.to(original.dtype)
@@ -265,7 +307,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale, enable_gqa,
-                implementation, want_lse):
+                implementation, config, want_lse):
     """(out, lse or None) outside torch.compile: the few fields a forward reads, and a plan
     worked out once per translation, layout and options."""
     if block_mask is None:
@@ -276,7 +318,7 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
         kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
     mods, captures = _ops.capture_mods(score_mod, mask_mod)
     plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
-                           len(captures), L, S, scale, enable_gqa, implementation,
+                           len(captures), L, S, scale, enable_gqa, implementation, config,
                            query.device.type), query.device)
     result = _ops.run_flex(
         plan, query, key, value, kv_lists, captures,

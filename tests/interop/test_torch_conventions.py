@@ -32,7 +32,7 @@ def _close(actual, expected, tol=1e-5):
 def test_positional_arguments_in_torchs_order():
     q, k, v = _qkv()
     mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
-    out, lse = jt.flex_attention(q, k, v, None, mask, 0.5, True, True, {"BLOCK_M": 64})
+    out, lse = jt.flex_attention(q, k, v, None, mask, 0.5, True, True, {"PRESCALE_QK": False})
     expected, expected_lse = torch_flex(q, k, v, None, _causal, scale=0.5, return_lse=True)
     _close(out, expected)
     _close(lse, expected_lse)
@@ -56,6 +56,32 @@ def test_return_aux_gives_torchs_aux_output():
                           return_aux=flex.AuxRequest(max_scores=True))
     with pytest.raises(TypeError, match="kernel_options"):
         jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=64)
+
+
+def test_kernel_options_become_jattns_config():
+    """BLOCK_M/BLOCK_N and warps/stages reach the kernels (here through the Pallas
+    interpreter) as the AttentionConfig they name; keys without a jattn counterpart are
+    ignored; a backward tile jattn cannot honour, or an invalid tile, raises."""
+    import jax
+    import jattn
+
+    q, k, v = (x[:, :, :64] for x in _qkv())
+    options = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 2, "BLOCK_M1": 16, "BLOCK_M2": 16,
+               "PRESCALE_QK": True, "BACKEND": "TRITON"}
+    ours = jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=options,
+                             implementation="interpret")
+    config = jattn.AttentionConfig(block_q=32, block_k=16, num_warps=2, bwd_num_warps=2,
+                                   bwd_block_q=16)
+    with jax.default_device(jax.devices("cpu")[0]):
+        expected = jattn.flex_attention(*(jax.numpy.asarray(x.numpy()) for x in (q, k, v)),
+                                        enable_gqa=True, config=config,
+                                        implementation="interpret")
+    assert torch.equal(ours, torch.from_dlpack(expected))
+    with pytest.raises(ValueError, match="BLOCK_M1=32 and BLOCK_M2=64 .* share one backward"):
+        jt.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M1": 32,
+                                                                    "BLOCK_M2": 64})
+    with pytest.raises(ValueError, match="kernel_options .* invalid jattn config.*block_q=48"):
+        jt.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M": 48})
 
 
 def test_create_block_mask_takes_torchs_arguments():

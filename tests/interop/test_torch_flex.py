@@ -103,7 +103,7 @@ def test_opcheck():
                                        jattn.masks.causal_mask)
     assert len(captures) == 1 and captures[0] is table
     captures = list(captures)
-    static = (mods, block_size, [L, L], None, True, None)
+    static = (mods, block_size, [L, L], None, True, None, None)
     torch.library.opcheck(torch.ops.jattn.flex_attention.default,
                           (q, k, v, lists, captures, *static))
     out, lse = torch.ops.jattn.flex_attention(q, k, v, lists, captures, *static)
@@ -124,7 +124,7 @@ def test_eager_path_matches_the_registered_op(return_lse):
     score_mod = lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 9]  # noqa: E731
     mods, _ = _ops.capture_mods(score_mod, jattn.masks.causal_mask)
     lists, block_size = jt._mask_tensors(block_mask, L, L)
-    static = (mods, block_size, [L, L], None, True, None)
+    static = (mods, block_size, [L, L], None, True, None, None)
     gen = torch.Generator().manual_seed(4)
     d_out = torch.randn(B, HQ, L, E, generator=gen)
     d_lse = torch.randn(B, HQ, L, generator=gen) if return_lse else torch.zeros(B, HQ, L)
