@@ -79,18 +79,12 @@ _LOCK = threading.RLock()
 
 def _register(mod: _translate.TranslatedMod, fetch=None, read_state=None, guards=None,
               read_guarded=None) -> Translation:
-    with _LOCK:
-        translation = Translation(f"m{next(_KEYS)}", mod, fetch, read_state, guards,
-                                  read_guarded)
-        _TRANSLATIONS[translation.key] = translation
-        while len(_TRANSLATIONS) > _MAX_TRANSLATIONS:
-            _TRANSLATIONS.popitem(last=False)
-        return translation
+    return _live(Translation(f"m{next(_KEYS)}", mod, fetch, read_state, guards, read_guarded))
 
 
 def _live(translation: Translation) -> Translation:
-    """`translation`, registered again if the bounded registry dropped it (a cached
-    translation that is in use again)."""
+    """`translation`, registered (again, if the bounded registry dropped a cached translation
+    that is in use again)."""
     if translation.key not in _TRANSLATIONS:
         with _LOCK:
             _TRANSLATIONS[translation.key] = translation
@@ -111,12 +105,12 @@ def lookup(key: str) -> Translation:
 # Example arguments: 0-d, as torch FlexAttention calls a mod
 # ------------------------------------------------------------------------------------------------
 
-def example_args(kind: str, device="cpu") -> tuple[torch.Tensor, ...]:
-    index = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
-    return (torch.zeros((), device=device), *index) if kind == "score" else tuple(index)
+def _example_args(kind: str) -> tuple[torch.Tensor, ...]:
+    index = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    return (torch.zeros(()), *index) if kind == "score" else tuple(index)
 
 
-_EXAMPLES = {kind: example_args(kind) for kind in ARITY}
+_EXAMPLES = {kind: _example_args(kind) for kind in ARITY}
 
 
 def _mod_name(mod) -> str:
@@ -206,16 +200,16 @@ def _backend(kind: str, name: str, namespace: dict):
                 "to JAX. Mods may use arithmetic, comparisons, logic and bit ops, torch.where, "
                 "elementwise math and activations, indexing of captured tensors, reductions "
                 "over captured tensors and new_*/*_like constructors.")
-        captured_dtypes = [example_inputs[slot].dtype for slot in capture_slots]
-        for dtype in captured_dtypes:
-            _translate.jax_dtype(dtype)  # raises for a dtype jattn cannot compute in
+        for slot in capture_slots:
+            _translate.jax_dtype(example_inputs[slot].dtype)  # raises for one jattn lacks
         guards = _user_guards()
-        scalars = [name for kind, name in guards if kind in _SCALAR_GUARDS]
-        checkable = all(kind in _GUARD_CHECKS for kind, _ in guards)
+        scalars = [source for guard, source in guards if guard in _SCALAR_GUARDS]
+        checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
         translation = _register(
             _translate.translate(core, arg_slots, capture_slots), _reader(sources, namespace),
-            _reader(scalars, namespace), tuple(kind for kind, _ in guards) if checkable else None,
-            _reader([name for _, name in guards], namespace) if checkable else None)
+            _reader(scalars, namespace),
+            tuple(guard for guard, _ in guards) if checkable else None,
+            _reader([source for _, source in guards], namespace) if checkable else None)
 
         def run(*inputs):
             _SLOT.value = translation, tuple(inputs[slot] for slot in capture_slots)

@@ -9,6 +9,8 @@ run_op` for the GEMMs); in eager mode an autograd.Function runs the same impleme
 gradient formula (the dispatcher's per-call cost avoided), or that implementation alone when
 nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options);
 an eager flex forward that is one kernel on CUDA is launched without JAX (`_direct`).
+Torch-written mods reach the ops as a key naming their translations and the tensors they read
+on this call (`capture_mods`, `traced_mods`; `interop._capture`).
 This module holds the helpers every op uses and flex_attention; the GEMMs are in `_gemm_ops`,
 flex_decode in `_decode_ops`.
 """

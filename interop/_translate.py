@@ -22,7 +22,6 @@ everywhere, though such a graph may not lower into a Triton kernel.
 from __future__ import annotations
 
 import dataclasses
-import math
 import operator
 from collections.abc import Callable, Sequence
 
@@ -64,12 +63,12 @@ def _div(a, b, rounding_mode=None):
         return jnp.floor_divide(a, b)
     if rounding_mode == "trunc":
         if jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
-            return lax_div(a, b)
+            return _truncating_div(a, b)
         return jnp.trunc(jnp.true_divide(a, b))
     return jnp.true_divide(a, b)
 
 
-def lax_div(a, b):
+def _truncating_div(a, b):
     a, b = jnp.asarray(a), jnp.asarray(b)
     dtype = jnp.result_type(a, b)
     return jax.lax.div(a.astype(dtype), b.astype(dtype))  # rounds toward zero, as C
@@ -272,10 +271,6 @@ def _array(value):
     return value
 
 
-def _index_entries(indices) -> list:
-    return [None if i is None else i for i in indices]
-
-
 def _is_scalar(value) -> bool:
     return isinstance(value, _Batched) or (not isinstance(value, _PartialIndex)
                                           and jnp.ndim(value) == 0)
@@ -290,7 +285,7 @@ def _index(x, indices):
         raise _NeedsVmap
     else:
         table, done = x, []
-    if not all(i is None or _is_scalar(i) for i in indices) or None in done:
+    if not all(i is None or _is_scalar(i) for i in indices):
         raise _NeedsVmap
     remaining = jnp.ndim(table) - len(done)
     if len(indices) > remaining:
@@ -317,7 +312,7 @@ def _select(x, dim, index):
         raise _NeedsVmap
     if dim < 0:
         dim += jnp.ndim(x.table) - len(x.indices) if isinstance(x, _PartialIndex) else jnp.ndim(x)
-    if dim == 0 or isinstance(x, _PartialIndex) and dim == 0:
+    if dim == 0:
         return _index(x, [jnp.int32(index)])
     return jnp.take(_array(x), index, axis=dim)
 
@@ -344,8 +339,6 @@ def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
             return env[a]
         if isinstance(a, (list, tuple)):
             return type(a)(load(x) for x in a)
-        if isinstance(a, torch.dtype):
-            return a
         return a
 
     for node in nodes:
@@ -483,7 +476,3 @@ def broadcast_vmap(fn: Callable, args: Sequence) -> jax.Array:
         return jax.vmap(inner, in_axes=[0 if v else None for v in varies])(*squeezed)
 
     return over(0, args)
-
-
-def prod(shape) -> int:
-    return math.prod(shape)

@@ -169,8 +169,8 @@ def test_a_fresh_closure_each_step_reuses_one_program_and_frees_its_tensors():
     and dropped closures and tensors are freed."""
     q, k, v = _qkv()
     mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, "cpu", 32)
-    keys, dead = set(), []
-    for step in range(6):
+
+    def step():
         documents = torch.randint(0, 3, (L,), generator=GEN).sort().values
 
         def same_document(score, b, h, q_idx, kv_idx):
@@ -179,14 +179,14 @@ def test_a_fresh_closure_each_step_reuses_one_program_and_frees_its_tensors():
         out = jt.flex_attention(q, k, v, same_document, mask)
         expected = torch_flex(q, k, v, same_document, lambda b, h, qi, ki: qi >= ki)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-        keys.add(_ops.capture_mods(same_document, mask.mask_mod)[0])
-        if step == 1:
-            plans = len(_ops.FLEX_PLANS)
-        dead.append(weakref.ref(documents))
-    assert len(keys) == 1 and len(_ops.FLEX_PLANS) == plans
-    del documents, same_document
+        return _ops.capture_mods(same_document, mask.mask_mod)[0], weakref.ref(documents)
+
+    key, first = step()
+    plans = len(_ops.FLEX_PLANS)
+    keys, dead = zip(*(step() for _ in range(5)))
+    assert set(keys) == {key} and len(_ops.FLEX_PLANS) == plans
     gc.collect()
-    assert all(ref() is None for ref in dead)
+    assert first() is None and all(ref() is None for ref in dead)
 
 
 @pytest.mark.slow
