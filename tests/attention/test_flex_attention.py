@@ -269,6 +269,9 @@ def _qkv(q=(1, 4, 32, 16), k=(1, 2, 32, 16), v=(1, 2, 32, 16), dtype=jnp.float32
     (dict(k=(1, 2, 32, 8), v=(1, 2, 32, 16)), ValueError, "same head dim"),
     (dict(v=(1, 2, 31, 16)), ValueError, "must agree on batch, heads and length"),
     (dict(k=(3, 2, 32, 16), v=(3, 2, 32, 16)), ValueError, "k/v batch 3 must equal"),
+    (dict(q=(1, 4, 32, 0), k=(1, 2, 32, 0), v=(1, 2, 32, 0)), ValueError,
+     "head dims must be at least 1"),
+    (dict(k=(1, 0, 32, 16), v=(1, 0, 32, 16)), ValueError, "need at least one head"),
 ])
 def test_bad_shapes_raise(kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -144,6 +144,9 @@ def _qkv(q=(2, 4, 1, 16), k=(2, 2, 32, 16), v=(2, 2, 32, 16), dtype=jnp.float32)
     (dict(k=(2, 2, 32, 8), v=(2, 2, 32, 16)), ValueError, "head dim 16 differs from k's 8"),
     (dict(v=(2, 2, 31, 16)), ValueError, "must agree on batch, heads and length"),
     (dict(q=(4, 1, 16)), ValueError, "`q` must be \\[batch, heads, queries, dim\\]"),
+    (dict(q=(2, 4, 1, 0), k=(2, 2, 32, 0), v=(2, 2, 32, 0)), ValueError,
+     "need at least one head and a head dim of at least 1"),
+    (dict(k=(2, 0, 32, 16), v=(2, 0, 32, 16)), ValueError, "need at least one head"),
 ])
 def test_bad_shapes_raise(kwargs, error, match):
     with pytest.raises(error, match=match):

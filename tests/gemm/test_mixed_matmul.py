@@ -240,3 +240,19 @@ def test_quantize_bad_input_raises(w, kwargs, error, match):
 def test_default_configs_on_gpu(bits, group_size, m, n, k):
     rng = np.random.default_rng(m + n + k + bits)
     _check("pallas_triton", *_inputs(rng, m, n, k, bits, group_size), bits, group_size)
+
+
+def test_a_nan_weight_column_stays_nan():
+    """A column (or group) holding NaN gets the scale NaN: dequantisation and the product give
+    NaN there, not a silent 0; the other columns are unaffected."""
+    w = jnp.ones((64, 4), jnp.float32).at[5, 1].set(jnp.nan)
+    for bits, group_size in ((8, None), (4, 32)):
+        qweight, scales = jattn.quantize_weight(w, bits=bits, group_size=group_size)
+        dense = jattn.dequantize_weight(qweight, scales, bits=bits, group_size=group_size)
+        nan_rows = slice(0, 64) if group_size is None else slice(0, 32)
+        assert np.isnan(np.asarray(dense[nan_rows, 1])).all()
+        assert not np.isnan(np.asarray(dense[:, [0, 2, 3]])).any()
+        y = jattn.mixed_matmul(jnp.ones((16, 64), jnp.bfloat16), qweight, scales, bits=bits,
+                               group_size=group_size, implementation="xla")
+        assert np.isnan(np.asarray(y[:, 1], np.float32)).all()
+        assert not np.isnan(np.asarray(y[:, [0, 2, 3]], np.float32)).any()

@@ -1,5 +1,6 @@
 """BlockMask construction, classification of partial/full blocks, conversions and errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,6 +71,32 @@ def test_bad_masks_raise():
                                        seq_lengths=(100, 64))
     with pytest.raises(TypeError, match="block lists must be integers"):
         jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2, 2)))
+
+
+@pytest.mark.parametrize("counts,indices,match", [
+    ([3, 1], [[0, 1], [1, 0]], r"kv_num_blocks\[0, 0, 0\] = 3 is outside \[0, 2\]"),
+    ([1, -1], [[0, 1], [1, 0]], r"kv_num_blocks\[0, 0, 1\] = -1 is outside"),
+    ([2, 1], [[0, 2], [1, 0]], r"kv_indices\[0, 0, 0, 1\] = 2 is outside \[0, 2\)"),
+    ([2, 1], [[0, 1], [-1, 0]], r"kv_indices\[0, 0, 1, 0\] = -1 is outside"),
+])
+def test_from_kv_blocks_checks_its_values(counts, indices, match):
+    """Bad counts or listed indices raise with eager values; under jit they are not read, and
+    an index outside the mask lists no block (entries past a row's count are never read)."""
+    counts = jnp.asarray(counts, jnp.int32)[None, None]
+    indices = jnp.asarray(indices, jnp.int32)[None, None]
+    with pytest.raises(ValueError, match=match):
+        jattn.BlockMask.from_kv_blocks(counts, indices, block_size=16)
+    traced = jax.jit(lambda c, i: jattn.BlockMask.from_kv_blocks(
+        c, i, block_size=16).partial_blocks())(counts, indices)
+    listed = (jnp.arange(2) < jnp.clip(counts, 0, 2)[..., None]) & (indices >= 0) & (indices < 2)
+    expected = np.zeros((1, 1, 2, 2), bool)
+    for row in range(2):
+        for j in range(2):
+            if listed[0, 0, row, j]:
+                expected[0, 0, row, int(indices[0, 0, row, j])] = True
+    np.testing.assert_array_equal(np.asarray(traced), expected)
+    padded = jnp.asarray([[[[0, 7], [1, -3]]]], jnp.int32)  # past each row's count: not read
+    jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2), jnp.int32), padded, block_size=16)
 
 
 def test_create_block_mask_is_memory_bounded_in_steps():

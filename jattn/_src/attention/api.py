@@ -42,6 +42,12 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
         raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
                         f"{k.dtype} and {v.dtype}.")
     (B, Hq, _, E), (Bk, Hkv, _, Ek) = q.shape, k.shape
+    if 0 in (E, v.shape[-1]):
+        raise ValueError(f"flex_attention: head dims must be at least 1, got q {q.shape} and "
+                         f"v {v.shape}.")
+    if 0 in (Hq, Hkv):
+        raise ValueError(f"flex_attention: q and k/v need at least one head, got q {q.shape} "
+                         f"and k {k.shape}.")
     if Ek != E:
         raise ValueError(f"flex_attention: q {q.shape} and k {k.shape} must have the same head "
                          "dim (last axis).")

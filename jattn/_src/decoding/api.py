@@ -53,6 +53,9 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, kv_dtype) -> None:
     if q.dtype not in _DTYPES or q.dtype != kv_dtype:
         raise TypeError(f"flex_decode: q ({q.dtype}) and k/v ({kv_dtype}) must share one of "
                         "bfloat16, float16, float32.")
+    if 0 in (q.shape[1], Hkv, E):
+        raise ValueError(f"flex_decode: q and k/v need at least one head and a head dim of at "
+                         f"least 1, got q {q.shape}, {Hkv} kv heads and head dim {E}.")
     if q.shape[1] % Hkv:
         raise ValueError(f"flex_decode: query heads {q.shape[1]} must be a multiple of kv heads "
                          f"{Hkv} (q {q.shape}).")

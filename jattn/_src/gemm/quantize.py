@@ -65,7 +65,8 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
     """Quantises a [K, N] weight for `jattn.mixed_matmul` (symmetric, round to nearest).
 
     Each scale is max|w| / qmax over its channel or group (qmax 127 for int8, 7 for int4; an
-    all-zero group gets scale 1), stored in scale_dtype; q = round(w / stored scale) clipped to
+    all-zero group gets scale 1, a group holding NaN the scale NaN, so that dequantisation and
+    mixed_matmul give NaN there, not 0), stored in scale_dtype; q = round(w / stored scale) clipped to
     [-qmax, qmax], so dequantisation uses exactly the scale that was stored.
 
     Args:
@@ -94,8 +95,8 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
     group = k if group_size is None else group_size
     grouped = w.astype(jnp.float32).reshape(k // group, group, n)
     qmax = _QMAX[bits]
-    scale = jnp.max(jnp.abs(grouped), axis=1) / qmax
-    scale = jnp.where(scale > 0, scale, 1.0).astype(scale_dtype or w.dtype)
+    scale = jnp.max(jnp.abs(grouped), axis=1) / qmax  # NaN where the group holds a NaN
+    scale = jnp.where(scale == 0, 1.0, scale).astype(scale_dtype or w.dtype)
     q = jnp.clip(jnp.round(grouped / scale.astype(jnp.float32)[:, None, :]), -qmax, qmax)
     q = q.reshape(k, n).astype(jnp.int8)
     scales = scale[0] if group_size is None else scale

@@ -30,7 +30,8 @@ MaskMod = Callable[..., jax.Array]
 
 def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) -> jax.Array:
     """[..., rows] counts and [..., rows, columns] lists -> [..., rows, columns] bool table."""
-    valid = jnp.arange(indices.shape[-1]) < num_blocks[..., None]
+    valid = (jnp.arange(indices.shape[-1]) < num_blocks[..., None]) & (indices >= 0) & (
+        indices < columns)
     target = jnp.where(valid, indices, columns)  # invalid entries land in a spare column
     table = jnp.zeros(indices.shape[:-1] + (columns + 1,), bool)
     lead = jnp.indices(indices.shape, sparse=True)[:-1]
@@ -95,7 +96,9 @@ class BlockMask:
 
         kv_num_blocks [Bm, Hm, nQ] and kv_indices [Bm, Hm, nQ, nKV] (int). Partial blocks apply
         `mask_mod` (None: every pair of a listed block attends). seq_lengths defaults to the block
-        counts times the block size.
+        counts times the block size. A count outside [0, nKV] or a listed index outside
+        [0, nKV) raises where the values are known; under jit they are not checked, and such an
+        index lists no block.
         """
         block_size = _pair("block_size", block_size)
         kv_num_blocks, kv_indices = jnp.asarray(kv_num_blocks), jnp.asarray(kv_indices)
@@ -198,3 +201,21 @@ def _check_lists(name: str, num_blocks: jax.Array, indices: jax.Array) -> None:
         if not jnp.issubdtype(array.dtype, jnp.integer):
             raise TypeError(f"from_kv_blocks: {name} block lists must be integers, got "
                             f"{array.dtype}.")
+    if not any(isinstance(a, jax.core.Tracer) for a in (num_blocks, indices)):
+        _check_list_values(name, np.asarray(num_blocks), np.asarray(indices))
+
+
+def _check_list_values(name: str, counts: np.ndarray, indices: np.ndarray) -> None:
+    """Counts in [0, nKV] and the listed (first count) indices in [0, nKV)."""
+    n_kv = indices.shape[-1]
+    bad = np.argwhere((counts < 0) | (counts > n_kv))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise ValueError(f"from_kv_blocks: {name}_num_blocks{list(at)} = {counts[at]} is "
+                         f"outside [0, {n_kv}], the number of kv blocks.")
+    listed = np.arange(n_kv) < counts[..., None]
+    bad = np.argwhere(listed & ((indices < 0) | (indices >= n_kv)))
+    if bad.size:
+        at = tuple(int(i) for i in bad[0])
+        raise ValueError(f"from_kv_blocks: {name}_indices{list(at)} = {indices[at]} is "
+                         f"outside [0, {n_kv}): the mask has {n_kv} kv blocks.")
