@@ -185,7 +185,7 @@ def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod, *, kv_only: bool
 
 
 def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
-               config=None):
+               config):
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
     kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
     backward. config: an AttentionConfig as `encode_config` writes it, or None."""
@@ -272,7 +272,7 @@ def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Se
 
 
 def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
-                 config=None) -> dict:
+                 config) -> dict:
     """The static jit arguments of a flex op call on tensors on `device`."""
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa,
@@ -434,10 +434,11 @@ class FlexPlan:
 
 
 # (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
-# scale, enable_gqa, implementation, config, device type) -> FlexPlan, the most recently used
-# kept.
+# scale, enable_gqa, implementation, config, device type) -> FlexPlan; the latest made are
+# kept (a lookup does not reorder: it is on every call's path).
 FLEX_PLANS: OrderedDict[tuple, FlexPlan] = OrderedDict()
 _MAX_FLEX_PLANS = 256
+_PLANS_LOCK = threading.Lock()
 
 
 def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
@@ -465,8 +466,6 @@ def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
             FLEX_PLANS.popitem(last=False)
     return plan
 
-
-_PLANS_LOCK = threading.Lock()
 
 
 def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequence[Tensor],

@@ -163,7 +163,7 @@ def _with_q_major(fields: list, seq_lengths, block_size) -> list:
     """MASK_FIELDS' lists with the q-major ones (which only the backward reads) made from the
     kv-major ones, for a BlockMask built with compute_q_blocks=False."""
     kv_num, kv_idx, _, _, full_num, full_idx, _, _ = fields
-    arrays = [None if x is None else _dlpack.to_jax(x.to(torch.int32), name) for x, name in
+    arrays = [None if x is None else _dlpack.to_jax(x, name) for x, name in
               zip((kv_num, kv_idx, full_num, full_idx), _ops.kv_major(_ops.MASK_FIELDS))]
     mask = jattn.BlockMask.from_kv_blocks(
         arrays[0], arrays[1], arrays[2], arrays[3], block_size=tuple(block_size),
@@ -506,4 +506,4 @@ def flex_decode(q: torch.Tensor, k, v: torch.Tensor | None, score_mod=None, bloc
                                        _decode_ops.kv_len_tensor(kv_len, q, S), mask_tensors,
                                        list(captures), mods, block_size, seq_lengths, scale,
                                        implementation)
-    return (out, lse.clone()) if return_lse else out
+    return (out, lse) if return_lse else out
