@@ -32,8 +32,9 @@ import numpy as np
 
 from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
 from jattn._src.decoding.api import flex_decode
-from jattn._src.decoding.common import make_problem, num_sms
-from jattn._src.decoding.config import DecodeConfig
+from jattn._src.attention.split_kv import make_problem
+from jattn._src.attention.split_kv_config import DecodeConfig
+from jattn._src.hardware import num_sms
 from jattn._src.decoding.paged import PagedKVCache
 
 HQ, HKV, D = 32, 8, 128
@@ -138,8 +139,7 @@ def bench_case(B: int, S: int) -> dict:
     problem = make_problem(B=B, Hq=HQ, Hkv=HKV, Lq=1, S=S, E=D, Ev=D, kv_batch=B,
                            page_size=None, num_pages=None, block_mask=None, score_mod=None,
                            mask_mod=None, score_set=None, mask_set=None, static_length=True,
-                           queries_last=True, scale=1.0, implementation="pallas_triton",
-                           config=None)
+                           queries_last=True, scale=1.0, interpret=False, config=None)
     row = {"case": f"B{B} S{S // 1024}k", "B": B, "S": S, "kv_GB": kv_bytes / 1e9,
            "splits": problem.config.num_splits, "jattn": _jattn(sets, kv_bytes)}
     if (B, S) in TARGETS:
@@ -182,8 +182,7 @@ def sweep(B: int, S: int) -> list[dict]:
     heuristic = make_problem(B=B, Hq=HQ, Hkv=HKV, Lq=1, S=S, E=D, Ev=D, kv_batch=B,
                              page_size=None, num_pages=None, block_mask=None, score_mod=None,
                              mask_mod=None, score_set=None, mask_set=None, static_length=True,
-                             queries_last=True, scale=1.0, implementation="pallas_triton",
-                             config=best).config.num_splits
+                             queries_last=True, scale=1.0, interpret=False, config=best).config.num_splits
     for factor in (0.5, 0.75, 1.5, 2.0):
         splits = max(1, round(heuristic * factor))
         if splits != heuristic:

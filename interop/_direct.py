@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from interop._dlpack import DTYPES
-from jattn._src.kernel_launch import single_kernel_launch
+from jattn._src.bridge import single_kernel_launch
 
 _TORCH_DTYPES = {np.dtype(jax_dtype): torch_dtype for torch_dtype, jax_dtype in DTYPES.items()}
 _NOT_ONE_KERNEL = object()  # a launch-table entry: this signature runs through JAX

@@ -24,6 +24,7 @@ import jattn
 from interop._direct import DirectProgram
 from interop._dlpack import DTYPES, to_torch
 from interop._ops import implementation_for, needs_autograd, ready_views
+from jattn._src import bridge
 
 # Outside torch.compile each op runs as an autograd.Function with the same implementation and
 # gradient formula (the custom-op dispatcher costs ~75 us per call on top, measured on the
@@ -136,7 +137,7 @@ def register(spec: GemmOp):
         first = tensors[0]
         if isinstance(first, Tensor) and first.is_cuda:
             options = static(args, first.device)  # the device ready_views finds, or it raises
-            if options[1] == "pallas_triton":  # one kernel: launched without JAX
+            if bridge.launches_directly(options[1]):  # one kernel: launched without JAX
                 program = direct_program(*options, tuple(t is not None for t in tensors))
                 result = program([t for t in tensors if t is not None])
                 if result is not None:

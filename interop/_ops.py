@@ -36,7 +36,7 @@ from interop._direct import DirectProgram
 from interop._capture import capture, lookup
 from interop._dlpack import jax_views, narrowed, to_torch, wait_for_torch
 from interop._translate import TranslatedMod
-from jattn._src.attention.api import flex_attention_backward as flex_attention_backward_jax
+from jattn._src import bridge
 
 # ------------------------------------------------------------------------------------------------
 # Implementation choice from the tensors' device
@@ -44,14 +44,9 @@ from jattn._src.attention.api import flex_attention_backward as flex_attention_b
 
 
 def implementation_for(fn: str, device: torch.device, implementation: Optional[str]) -> str:
-    """The jattn implementation for tensors on `device`: the Pallas kernels on CUDA, XLA on the
-    CPU, unless the caller named one (the GPU kernel on CPU tensors is an error)."""
-    if implementation is None:
-        return "pallas_triton" if device.type == "cuda" else "xla"
-    if implementation == "pallas_triton" and device.type != "cuda":
-        raise ValueError(f"{fn}: implementation='pallas_triton' runs on CUDA tensors, got tensors "
-                         f"on {device}; move them with .cuda() or use 'xla'.")
-    return implementation
+    """The jattn implementation of op `fn` for tensors on `device`: jattn's own choice for that
+    platform ($JATTN_IMPLEMENTATION included); a named one must run there."""
+    return bridge.resolve(fn, implementation, on_cuda=device.type == "cuda")
 
 
 def ready_views(fn: str, tensors: Sequence[Tensor | jax.Array | None],
@@ -240,7 +235,7 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
         d_out = jnp.zeros_like(out)
     if d_lse is None:
         d_lse = jnp.zeros(lse.shape, jnp.float32)
-    dq, dk, dv, d_captures = _flex_call(flex_attention_backward_jax, False, **static)(
+    dq, dk, dv, d_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
         q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
         captures=captures)
     learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
@@ -454,7 +449,7 @@ def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
     options = _flex_static(device, *static)
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None
-    if options["implementation"] == "pallas_triton":
+    if bridge.launches_directly(options["implementation"]):
         def pack(tensors, n=3 + n_lists):  # flat tensors -> the programs' arguments
             return (*tensors[:3], tensors[3:n], tensors[n:])
         direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.attention.flex_attention as _flex
 
 import jattn
-from jattn._src.decoding.paged import check_pool_sizes
+from jattn._src.bridge import check_pool_sizes
 from interop import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
 from interop._capture import capture
 

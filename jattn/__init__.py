@@ -5,7 +5,8 @@ from jattn import mods as mods
 from jattn._src.attention.api import flex_attention as flex_attention
 from jattn._src.attention.config import AttentionConfig as AttentionConfig
 from jattn._src.decoding.api import flex_decode as flex_decode
-from jattn._src.decoding.config import DecodeConfig as DecodeConfig
+from jattn._src.attention.split_kv_config import DecodeConfig as DecodeConfig
+from jattn._src.backends import explain as explain
 from jattn._src.decoding.paged import PagedKVCache as PagedKVCache
 from jattn._src.gemm.api import bmm as bmm
 from jattn._src.gemm.api import matmul as matmul

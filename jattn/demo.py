@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from jattn._src import platform
+from jattn._src import backends, hardware
 from jattn._src.attention.reference import attention_reference
 from jattn._src.gemm.reference import matmul_reference
 from jattn._src.tuning.autotune import median_seconds
@@ -47,10 +47,10 @@ def _report_attention(on_gpu: bool) -> None:
 
 
 def main() -> None:
-    implementation = platform.resolve_implementation(None)
-    size = 4096 if platform.has_cuda() else 512
+    implementation = backends.resolve("matmul")
+    size = 4096 if hardware.has_cuda() else 512
     print(f"jattn {jattn.__version__} on {jax.devices()[0].device_kind} "
-          f"(jax {jax.__version__}), implementation: {implementation}")
+          f"(jax {jax.__version__}), implementation: {implementation.name}")
     rng = np.random.default_rng(0)
     a = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
     b = jnp.asarray(rng.standard_normal((size, size)), jnp.bfloat16)
@@ -63,12 +63,12 @@ def main() -> None:
     _report("matmul + bias + gelu epilogue",
             lambda a, b, bias: jattn.matmul(a, b, bias=bias, epilogue=gelu),
             matmul_reference(*f32[:2], bias=f32[2], epilogue=gelu), (a, b, bias), flops)
-    if implementation != "interpret":
+    if not implementation.backend.interpret:
         small = [x[:128, :128] for x in (a, b)]
         _report("matmul, Pallas interpreter, 128^3",
                 functools.partial(jattn.matmul, implementation="interpret"),
                 matmul_reference(*[x.astype(jnp.float32) for x in small]), small, 2.0 * 128**3)
-    _report_attention(platform.has_cuda())
+    _report_attention(hardware.has_cuda())
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU mem
 
 import pytest
 
-from jattn._src.platform import has_cuda
+from jattn._src.hardware import has_cuda
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jattn._src.platform import has_cuda
+from jattn._src.hardware import has_cuda
 
 # The implementations every op is tested with; the GPU kernel only where a GPU is present.
 IMPLEMENTATIONS = ["xla", "interpret", pytest.param("pallas_triton", marks=pytest.mark.gpu)]

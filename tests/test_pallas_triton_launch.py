@@ -9,7 +9,7 @@ import pytest
 
 import jattn
 from jattn._src import pallas_triton_launch as launch
-from jattn._src import platform
+from jattn._src import hardware
 
 L, D = 256, 64
 
@@ -43,7 +43,7 @@ def _flex_program(*, extra_op: bool = False):
 @pytest.fixture
 def pallas_traceable(monkeypatch):
     """Tracing (not running) implementation='pallas_triton' on a machine without a GPU."""
-    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
 
 
 def test_wrappers_inline_to_the_one_kernel_on_the_arguments(pallas_traceable):

@@ -1,10 +1,14 @@
 """The autotuner picks the fastest working candidate; the cache round-trips through disk."""
 
+import json
 import time
 
+import jax
 import jax.numpy as jnp
 import pytest
 
+import jattn
+from jattn._src import backends
 from jattn._src.gemm import api
 from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
 from jattn._src.tuning import autotune, cache
@@ -28,14 +32,39 @@ def test_autotune_raises_when_everything_fails():
 
 def test_cache_round_trip_feeds_config_choice(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
-    assert api.choose_config(None, 1000, 1000, 1000, jnp.bfloat16) == heuristic_config(
-        1000, 1000, 1000, jnp.bfloat16)
+    interpret = backends.implementations("matmul")["interpret"]
+
+    def choose(op="matmul", dtype=jnp.bfloat16):
+        return api.choose_config(op, interpret, None, 1000, 1000, 1000, dtype)
+
+    assert choose() == heuristic_config(1000, 1000, 1000, jnp.bfloat16)
     tuned = MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=5)
     # 1000 and 1024 share a shape bucket, so the tuned entry serves both.
-    cache.store("matmul", api._cache_key(1024, 1024, 1024, jnp.bfloat16), tuned.__dict__)
-    assert api.choose_config(None, 1000, 1000, 1000, jnp.bfloat16) == tuned
-    assert api.choose_config(None, 1000, 1000, 1000, jnp.float32) != tuned
+    cache.store("matmul", api._cache_key(interpret, 1024, 1024, 1024, jnp.bfloat16),
+                tuned.__dict__)
+    assert choose() == tuned
+    assert choose(dtype=jnp.float32) != tuned
+    assert choose(op="mm_plus_mm") != tuned  # each op keeps its own tuning results
+    xla = backends.implementations("matmul")["xla"]
+    assert api._cache_key(xla, 1024, 1024, 1024, jnp.bfloat16) != api._cache_key(
+        interpret, 1024, 1024, 1024, jnp.bfloat16)
     assert (tmp_path / "autotune.json").exists()
+
+
+def test_mm_plus_mm_autotune_times_mm_plus_mm(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    timed = []
+
+    def one_candidate(candidates, make_run, *, desc):
+        assert all(c.split_k == 1 for c in candidates)
+        timed.append(jax.make_jaxpr(make_run(candidates[0]))())
+        return candidates[0], [(candidates[0], 1.0)]
+
+    monkeypatch.setattr(autotune, "autotune", one_candidate)
+    a = jnp.ones((32, 16), jnp.float32)
+    jattn.mm_plus_mm(a, a.T, a, a.T, config="autotune", implementation="interpret")
+    assert "jattn_mm_plus_mm" in str(timed[0])
+    assert list(json.loads((tmp_path / "autotune.json").read_text())) == ["mm_plus_mm"]
 
 
 @pytest.mark.parametrize("m,n,k,dtype", [(8192, 8192, 8192, jnp.bfloat16), (16, 8192, 8192,

@@ -39,6 +39,19 @@ class TracedFunction:
     def out_avals(self) -> list[jax.core.ShapedArray]:
         return list(self.closed_jaxpr.out_avals)
 
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """What the traced computation is, without the captured arrays' values: the jaxpr's
+        text (its constants are typed inputs; Python scalars it read appear as literals) and
+        which captures it reads. Equal keys compute the same function of the captures."""
+        return str(getattr(self.closed_jaxpr, "jaxpr", self.closed_jaxpr)), self.capture_slots
+
+    def without_captures(self) -> TracedFunction:
+        """This function holding no captured arrays (a cached program must not keep a call's
+        arrays, or tracers, alive): they come from each call's capture list anyway."""
+        n = len(self.capture_slots)
+        return TracedFunction(_with_consts(self.closed_jaxpr, [None] * n), self.capture_slots)
+
     def __call__(self, captures: Sequence[Any], *args: Any) -> list[Any]:
         consts = [captures[slot] for slot in self.capture_slots]
         return jaxpr_as_fun(_with_consts(self.closed_jaxpr, consts))(*args)

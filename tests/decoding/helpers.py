@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jattn._src.decoding.api import flex_decode
-from jattn._src.decoding.config import DecodeConfig
+from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding.reference import decode_reference
 from tests.helpers import assert_close, golden, low_precision, map_reference, random
 

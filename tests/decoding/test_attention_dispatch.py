@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src import platform
+from jattn._src import hardware
 from jattn._src.attention.reference import attention_reference
 from tests.decoding.helpers import inputs
 from tests.helpers import (assert_close, golden, low_precision, lower_for_cuda,
@@ -41,7 +41,7 @@ def test_few_queries_match_golden_with_gradients(impl, masked):
 
 
 def test_few_queries_lower_to_the_decode_kernel(monkeypatch):
-    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
     spec = jax.ShapeDtypeStruct
 
     def attention(q, k, v):

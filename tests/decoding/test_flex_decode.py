@@ -9,7 +9,7 @@ import pytest
 
 import jattn
 from jattn._src.decoding.api import flex_decode
-from jattn._src.decoding.config import DecodeConfig, choose_num_splits
+from jattn._src.attention.split_kv_config import DecodeConfig, choose_num_splits
 from tests.decoding.helpers import BLOCK, SMALL, check, inputs
 from tests.helpers import IMPLEMENTATIONS, assert_bitwise_equal_runs
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jattn
-from jattn._src import platform
+from jattn._src import hardware
 from jattn._src.decoding.api import flex_decode
 from jattn._src.decoding.paged import PagedKVCache
 from tests.helpers import lower_for_cuda
@@ -14,7 +14,7 @@ from tests.helpers import lower_for_cuda
 @pytest.fixture
 def as_if_on_gpu(monkeypatch):
     """Selects the Pallas-Triton path without a GPU (only lowering runs, nothing executes)."""
-    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
 
 
 def _spec(*shape, dtype=jnp.bfloat16):

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import jattn
-from jattn._src import platform
+from jattn._src import hardware
 from tests.helpers import lower_for_cuda
 
 torch = pytest.importorskip("torch")
@@ -33,7 +33,7 @@ MASK = flex.and_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: DOCS[q] =
 
 @pytest.fixture
 def as_if_on_gpu(monkeypatch):
-    monkeypatch.setattr(platform, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
 
 
 def _jax(mod, kind):

@@ -1,28 +1,28 @@
-"""Public flex attention: validation, mask and mod preparation, config choice, custom_vjp."""
+"""Public flex attention: validation, the backend's program (cached) and the custom_vjp."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jattn._src import platform
-from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, xla
-from jattn._src.attention.common import Mods, Problem, checked_mask_mod, checked_score_mod
+from jattn._src import backends
+from jattn._src.attention import pallas_triton, xla
+from jattn._src.attention.common import (Problem, checked_mask_mod, checked_score_mod,
+                                         trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
-from jattn._src.decoding import common as decoding
-from jattn._src.decoding import pallas_triton as decoding_kernel
-from jattn._src.masks.block_mask import BlockMask, dense_from_lists
-from jattn._src.pallas_triton_compile import triton_compiler_available
+from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
+from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_DEFAULT_BLOCK = 128
 ScoreMod = Callable[..., jax.Array]
 
 
@@ -81,7 +81,7 @@ def _check_block_mask(block_mask: BlockMask, B: int, Hq: int, L: int, S: int) ->
 def _full_block_mask(L: int, S: int) -> BlockMask:
     """Every block full: plain attention through the same machinery. Built with numpy, so
     under jit the lists are constants rather than ops run on every call."""
-    block = (_DEFAULT_BLOCK, _DEFAULT_BLOCK)
+    block = (DEFAULT_BLOCK, DEFAULT_BLOCK)
     n_q, n_kv = cdiv(L, block[0]), cdiv(S, block[1])
 
     def lists(rows: int, columns: int):  # (no partial blocks, every column full) per row
@@ -96,61 +96,49 @@ def _full_block_mask(L: int, S: int) -> BlockMask:
 
 
 # ------------------------------------------------------------------------------------------------
-# Mods, traced at each implementation's tile shapes
+# Implementations
 # ------------------------------------------------------------------------------------------------
 
-def _i32(*shape):
-    return jax.ShapeDtypeStruct(shape, jnp.int32)
-
-
-def _tile_signature(block_q: int, block_k: int, *, transposed: bool = False):
-    """Mod arguments on a kernel tile: [queries, keys], or transposed [keys, queries]."""
-    if transposed:
-        score = jax.ShapeDtypeStruct((block_k, block_q), jnp.float32)
-        return score, (_i32(), _i32(), _i32(1, block_q), _i32(block_k, 1))
-    score = jax.ShapeDtypeStruct((block_q, block_k), jnp.float32)
-    return score, (_i32(), _i32(), _i32(block_q, 1), _i32(1, block_k))
-
-
-def _trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet, score_sig,
-                index_sig) -> Mods:
-    score = score_vjp = mask = None
-    if score_mod is not None:
-        score = score_set.trace(score_mod, (score_sig, *index_sig))
-
-        def score_vjp_fn(s, b, h, q_idx, kv_idx, d_out):
-            return jax.vjp(lambda x: score_mod(x, b, h, q_idx, kv_idx), s)[1](d_out)[0]
-
-        score_vjp = score_set.trace(score_vjp_fn, (score_sig, *index_sig, score_sig))
-    if mask_mod is not None:
-        mask = mask_set.trace(mask_mod, index_sig)
-    return Mods(score, score_vjp, mask)
+_OP = "flex_attention"
+for _backend, _module in ((backends.XLA, xla), (backends.PALLAS_TRITON, pallas_triton),
+                          (backends.INTERPRET, pallas_triton)):
+    backends.register(backends.Implementation(
+        _OP, _backend, _module, config_class=AttentionConfig if _backend.pallas else None,
+        heuristic=heuristic_config if _backend.pallas else None))
 
 
 # ------------------------------------------------------------------------------------------------
 # custom_vjp around the implementations
 # ------------------------------------------------------------------------------------------------
 
-def _forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
-    if p.implementation == "xla":
-        return xla.forward(p, q, k, v, masks["partial"], masks["full"], score_caps, mask_caps)
-    if p.decode is not None:
-        return decoding_kernel.attention_forward(p.decode, q, k, v, masks, score_caps, mask_caps)
-    return pallas_triton_fwd.forward(p, q, k, v, masks, score_caps, mask_caps)
+class Residuals(NamedTuple):
+    """What the backward reads: the inputs, the outputs, and which captured arrays of score_mod
+    are being differentiated."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    lists: MaskLists
+    score_captures: tuple[Any, ...]
+    mask_captures: tuple[Any, ...]
+    out: jax.Array
+    lse: jax.Array
+    differentiated: tuple[bool, ...]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flex(p: Problem, q, k, v, masks, score_caps, mask_caps):
-    return _forward(p, q, k, v, masks, score_caps, mask_caps)
+def _flex(p: Problem, q, k, v, lists, score_caps, mask_caps):
+    return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
 
 
-def _flex_fwd(p: Problem, q, k, v, masks, score_caps, mask_caps):
+def _flex_fwd(p: Problem, q, k, v, lists, score_caps, mask_caps):
     # symbolic_zeros: each argument leaf arrives as CustomVJPPrimal(value, perturbed).
     differentiated = tuple(c.perturbed for c in score_caps)
-    q, k, v, masks, score_caps, mask_caps = custom_vjp_primal_tree_values(
-        (q, k, v, masks, score_caps, mask_caps))
-    out, lse = _forward(p, q, k, v, masks, score_caps, mask_caps)
-    return (out, lse), (q, k, v, masks, score_caps, mask_caps, out, lse, differentiated)
+    q, k, v, lists, score_caps, mask_caps = custom_vjp_primal_tree_values(
+        (q, k, v, lists, score_caps, mask_caps))
+    out, lse = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
+    return (out, lse), Residuals(q, k, v, lists, score_caps, mask_caps, out, lse,
+                                 differentiated)
 
 
 def _dense_zeros(cotangent):
@@ -159,24 +147,10 @@ def _dense_zeros(cotangent):
     return cotangent
 
 
-def _flex_bwd(p: Problem, residuals, cotangents):
-    q, k, v, masks, score_caps, mask_caps, out, lse, differentiated = residuals
+def _flex_bwd(p: Problem, res: Residuals, cotangents):
     d_out, d_lse = (_dense_zeros(c) for c in cotangents)
-    d_lse = d_lse.astype(jnp.float32)
-    if p.implementation == "xla":
-        dq, dk, dv, d_caps = xla.backward(p, q, k, v, masks["partial"], masks["full"],
-                                          score_caps, mask_caps, out, lse, d_out, d_lse,
-                                          differentiated)
-    else:
-        dq, dk, dv = pallas_triton_bwd.backward(p, q, k, v, masks, score_caps, mask_caps, out,
-                                                lse, d_out, d_lse)
-        d_caps = [None] * len(score_caps)
-        if any(differentiated):
-            # Gradients of captured arrays: an XLA pass over key blocks (deterministic), run
-            # only when some captured array is being differentiated.
-            partial, full = _dense_tables(masks)
-            *_, d_caps = xla.backward(p, q, k, v, partial, full, score_caps, mask_caps, out,
-                                      lse, d_out, d_lse, differentiated, operand_grads=False)
+    dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
+                                                          d_lse.astype(jnp.float32))
     return dq, dk, dv, None, tuple(d_caps), None
 
 
@@ -184,29 +158,30 @@ _flex.defvjp(_flex_fwd, _flex_bwd, symbolic_zeros=True)
 
 
 # ------------------------------------------------------------------------------------------------
-# Public API
+# Programs: one per problem, reused by every call with the same problem
 # ------------------------------------------------------------------------------------------------
 
-def _mask_arrays(implementation: str, block_mask: BlockMask) -> dict[str, jax.Array]:
-    if implementation == "xla":
-        return {"partial": block_mask.partial_blocks(), "full": block_mask.full_blocks()}
-    masks = {"kv_num_blocks": block_mask.kv_num_blocks, "kv_indices": block_mask.kv_indices,
-             "q_num_blocks": block_mask.q_num_blocks, "q_indices": block_mask.q_indices}
-    if block_mask.full_kv_num_blocks is not None:
-        masks.update(full_kv_num_blocks=block_mask.full_kv_num_blocks,
-                     full_kv_indices=block_mask.full_kv_indices,
-                     full_q_num_blocks=block_mask.full_q_num_blocks,
-                     full_q_indices=block_mask.full_q_indices)
-    return {name: jnp.asarray(x, jnp.int32) for name, x in masks.items()}
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Program:
+    """The jitted forward (and the torch ops' backward) of one Problem."""
+
+    problem: Problem
+    forward: Callable[..., Any]
+    backward: Callable[..., Any]
+
+    @classmethod
+    def make(cls, problem: Problem) -> _Program:
+        def backward(q, k, v, lists, score_caps, mask_caps, out, lse, d_out, d_lse):
+            differentiated = tuple(jnp.issubdtype(jnp.result_type(c), jnp.floating)
+                                   for c in score_caps)
+            res = Residuals(q, k, v, lists, tuple(score_caps), tuple(mask_caps), out, lse,
+                            differentiated)
+            return _flex_bwd(problem, res, (d_out, d_lse))
+
+        return cls(problem, jax.jit(functools.partial(_flex, problem)), jax.jit(backward))
 
 
-def _dense_tables(masks: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """[Bm, Hm, nQ, nKV] partial and full tables from the kernels' kv-major lists."""
-    n_kv = masks["kv_indices"].shape[-1]
-    partial = dense_from_lists(masks["kv_num_blocks"], masks["kv_indices"], n_kv)
-    if "full_kv_num_blocks" not in masks:
-        return partial, jnp.zeros_like(partial)
-    return partial, dense_from_lists(masks["full_kv_num_blocks"], masks["full_kv_indices"], n_kv)
+_PROGRAMS: ProgramCache[_Program] = ProgramCache()
 
 
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -226,18 +201,29 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         partial blocks apply its mask_mod, full blocks skip it, other blocks are never visited.
         None attends everywhere.
       scale: score scale, default 1/sqrt(E). return_lse: also return the natural-log LSE.
-      config: an AttentionConfig for the kernels (None: heuristic). implementation:
-        "pallas_triton", "xla" or "interpret" (default: $JATTN_IMPLEMENTATION, else by platform).
+      config: an AttentionConfig for the kernels (None: heuristic; the XLA implementation has
+        no tunables and ignores it). implementation: "pallas_triton", "xla" or "interpret"
+        (default: $JATTN_IMPLEMENTATION, else by platform; `jattn.explain` says which and why).
 
     Returns:
       out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L]. A query
-      that attends to nothing gives 0 and LSE -inf. Differentiable in q, k, v, captured arrays of
+      that attends to nothing (S = 0 included) gives 0 and LSE -inf; B = 0 or L = 0 give empty
+      results. A key a query never reads (outside its blocks) cannot affect it, NaN included. Differentiable in q, k, v, captured arrays of
       score_mod and (through its cotangent) the LSE.
+
+    Eager calls reuse compiled programs: a call with the same shapes, dtypes, options and mods
+    (the same traced computation; a changed Python scalar inside a mod is a new one) neither
+    traces the kernels nor compiles. Arrays the mods close over are arguments, so new values
+    reuse the program.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    problem, masks, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
-                                                     enable_gqa, config, implementation)
-    out, lse = _flex(problem, q, k, v, masks, score_caps, mask_caps)
+    empty = _empty_result(q, k, v, score_mod, block_mask, enable_gqa)
+    if empty is not None:
+        out, lse = empty
+    else:
+        program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
+                                                         enable_gqa, config, implementation)
+        out, lse = program.forward(q, k, v, lists, score_caps, mask_caps)
     return (out, lse) if return_lse else out
 
 
@@ -246,23 +232,41 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
                             implementation=None):
     """Gradients of `flex_attention(q, k, v, score_mod, block_mask, return_lse=True)` from its
     saved outputs (out, lse) and their cotangents, without running the forward again — the same
-    backward `jax.vjp` runs. (For the torch ops, whose autograd keeps out and lse.)
+    backward `jax.vjp` runs, from the same cached program. (The torch ops' entry point: their
+    autograd keeps out and lse.)
 
     Returns (dq, dk, dv, d_captures): d_captures holds, for each array of `captures`, its
     gradient if score_mod closes over it and it is floating point, else None.
     """
-    problem, masks, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
+    program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
                                                      enable_gqa, config, implementation)
-    differentiated = tuple(jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps)
-    residuals = (q, k, v, masks, score_caps, mask_caps, out, lse, differentiated)
-    dq, dk, dv, _, d_score_caps, _ = _flex_bwd(problem, residuals, (d_out, d_lse))
+    dq, dk, dv, _, d_score_caps, _ = program.backward(q, k, v, lists, score_caps, mask_caps,
+                                                      out, lse, d_out, d_lse)
     by_id = {id(c): d for c, d in zip(score_caps, d_score_caps)}
     return dq, dk, dv, [by_id.get(id(c)) for c in captures]
 
 
+def _empty_result(q, k, v, score_mod, block_mask, enable_gqa):
+    """(out, lse) of a call with an empty batch, query or key axis (every implementation
+    alike: empty, or zeros and LSE -inf where no key exists), after the usual checks; None for
+    every other call."""
+    _check_inputs(q, k, v, enable_gqa)
+    (B, Hq, L, _), S = q.shape, k.shape[2]
+    if B and L and S:
+        return None
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
+    if block_mask is not None:
+        _check_block_mask(block_mask, B, Hq, L, S)
+    return (jnp.zeros((B, Hq, L, v.shape[-1]), q.dtype),
+            jnp.full((B, Hq, L), -jnp.inf, jnp.float32))
+
+
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation):
-    """Validation, mods traced per implementation tile: (Problem, mask arrays, score_mod's and
-    mask_mod's captured arrays)."""
+    """Validation, then the call's program: (program, mask lists, score_mod's and mask_mod's
+    captured arrays). The mods are traced at the XLA block; those traces (with the shapes and
+    options) key the program, so a cached program is found without tracing the kernels' tiles.
+    """
     _check_inputs(q, k, v, enable_gqa)
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     if score_mod is not None and not callable(score_mod):
@@ -273,40 +277,48 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     if dense:
         block_mask = _full_block_mask(L, S)
     _check_block_mask(block_mask, B, Hq, L, S)
-    implementation = platform.resolve_implementation(implementation)
+    implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
+                                      value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
 
     score_mod = None if score_mod is None else checked_score_mod(score_mod)
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod)
     score_set, mask_set = CaptureSet(), CaptureSet()
-    score_sig, index_sig = xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1])
-    xla_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set, score_sig, index_sig)
-    resolved = decode = None
-    fwd_mods = bwd_mods = dkdv_mods = xla_mods
-    if implementation != "xla":
-        resolved = config or heuristic_config(
-            E, block_mask.block_size, masked=block_mask.mask_mod is not None,
-            triton_compiler=platform.has_cuda() and triton_compiler_available())
-        resolved.check_fits(block_mask.block_size)
-        fwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
-                               *_tile_signature(resolved.block_q, resolved.block_k))
-        bwd_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
-                               *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k))
-        dkdv_mods = _trace_mods(score_mod, mask_mod, score_set, mask_set,
-                                *_tile_signature(resolved.bwd_block_q, resolved.bwd_block_k,
-                                                 transposed=True))
-        if config is None and L <= decoding.MAX_DECODE_QUERIES:
-            # A few queries: the forward runs the split-KV decode kernel, which fills the GPU
-            # (the flex forward would launch only B·Hq programs); the backward is unchanged.
-            decode = decoding.make_problem(
-                B=B, Hq=Hq, Hkv=Hkv, Lq=L, S=S, E=E, Ev=Ev, kv_batch=Bk, page_size=None,
-                num_pages=None, block_mask=None if dense else block_mask, score_mod=score_mod,
-                mask_mod=mask_mod, score_set=score_set, mask_set=mask_set, static_length=True,
-                queries_last=False, scale=scale, implementation=implementation, config=None)
-    problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
-                      mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
-                      mask_block=block_mask.block_size, scale=scale,
-                      implementation=implementation, config=resolved, fwd=fwd_mods,
-                      bwd=bwd_mods, dkdv=dkdv_mods, xla=xla_mods, decode=decode)
-    return (problem, _mask_arrays(implementation, block_mask), tuple(score_set.captures),
-            tuple(mask_set.captures))
+    xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
+                          *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
+                          with_vjp=False)
+    lists = block_mask.lists()
+    key = (q.shape, k.shape, v.shape, q.dtype, scale, implementation, config, dense,
+           block_mask.block_size, block_mask.shape, lists.has_full,
+           *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
+    found = len(score_set.captures), len(mask_set.captures)
+
+    def make() -> _Program:
+        problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
+                          mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
+                          mask_block=block_mask.block_size, scale=scale,
+                          implementation=implementation, config=None, fwd=xla_mods,
+                          bwd=xla_mods, dkdv=xla_mods, xla=xla_mods)
+        problem = implementation.module.specialise(
+            problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
+            mask_set=mask_set, block_mask=block_mask, dense=dense, config=config)
+        return _Program.make(_without_captures(problem))
+
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = make()
+        if (len(score_set.captures), len(mask_set.captures)) == found:
+            program = _PROGRAMS.put(key, program)
+        # else the mods captured arrays at the kernels' tiles that they did not at the XLA
+        # block (arrays made from the shapes they see): the program is this call's alone.
+    return program, lists, tuple(score_set.captures), tuple(mask_set.captures)
+
+
+def _without_captures(problem: Problem) -> Problem:
+    """The problem holding no captured array: each call passes its own."""
+    mods = {name: without_captures(getattr(problem, name))
+            for name in ("fwd", "bwd", "dkdv", "xla")}
+    decode = problem.decode
+    if decode is not None:
+        decode = dataclasses.replace(decode, mods=without_captures(decode.mods))
+    return dataclasses.replace(problem, decode=decode, **mods)

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src.attention.config import AttentionConfig
-from jattn._src.user_functions import TracedFunction
+from jattn._src.backends import Implementation
+from jattn._src.user_functions import CaptureSet, TracedFunction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Problem:
     mask_heads: int
     mask_block: tuple[int, int]
     scale: float
-    implementation: str
+    implementation: Implementation
     config: AttentionConfig | None
     fwd: Mods          # kernel forward tile, or the XLA block
     bwd: Mods          # kernel dQ tile [queries, keys], or the XLA block
@@ -58,6 +59,11 @@ class Problem:
     @property
     def groups(self) -> int:
         return self.Hq // self.Hkv
+
+    @property
+    def interpret(self) -> bool:
+        """The kernels run in the Pallas interpreter."""
+        return self.implementation.backend.interpret
 
 
 def checked_score_mod(score_mod: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
@@ -86,3 +92,39 @@ def checked_mask_mod(mask_mod: Callable[..., jax.Array]) -> Callable[..., jax.Ar
                                      jnp.shape(h))
         return jnp.broadcast_to(out, shape)
     return checked
+
+
+def _i32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+
+def tile_signature(block_q: int, block_k: int, *, transposed: bool = False):
+    """Mod arguments on a kernel tile: [queries, keys], or transposed [keys, queries]."""
+    if transposed:
+        score = jax.ShapeDtypeStruct((block_k, block_q), jnp.float32)
+        return score, (_i32(), _i32(), _i32(1, block_q), _i32(block_k, 1))
+    score = jax.ShapeDtypeStruct((block_q, block_k), jnp.float32)
+    return score, (_i32(), _i32(), _i32(block_q, 1), _i32(1, block_k))
+
+
+def trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet, score_sig,
+               index_sig, *, with_vjp: bool = True) -> Mods:
+    """score_mod (and, with_vjp, its vjp) and mask_mod traced at one signature; None absent."""
+    score = score_vjp = mask = None
+    if score_mod is not None:
+        score = score_set.trace(score_mod, (score_sig, *index_sig))
+    if score_mod is not None and with_vjp:
+
+        def score_vjp_fn(s, b, h, q_idx, kv_idx, d_out):
+            return jax.vjp(lambda x: score_mod(x, b, h, q_idx, kv_idx), s)[1](d_out)[0]
+
+        score_vjp = score_set.trace(score_vjp_fn, (score_sig, *index_sig, score_sig))
+    if mask_mod is not None:
+        mask = mask_set.trace(mask_mod, index_sig)
+    return Mods(score, score_vjp, mask)
+
+
+def without_captures(mods: Mods) -> Mods:
+    """mods holding no captured arrays (see TracedFunction.without_captures)."""
+    return Mods(*(None if f is None else f.without_captures()
+                  for f in (mods.score, mods.score_vjp, mods.mask)))

@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import LOG2_E
+from jattn._src.masks.block_mask import MaskLists
 from jattn._src.pallas_triton_lookup import call_in_kernel
 
 
@@ -141,7 +142,8 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 # Launcher
 # ------------------------------------------------------------------------------------------------
 
-def backward(p: Problem, q, k, v, masks, score_caps, mask_caps, out, lse, d_out, d_lse):
+def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, lse, d_out,
+             d_lse):
     """(dq, dk, dv) of flex attention; d_lse is the natural-log LSE's cotangent."""
     cfg = p.config
     bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
@@ -151,12 +153,12 @@ def backward(p: Problem, q, k, v, masks, score_caps, mask_caps, out, lse, d_out,
     delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
     lse2 = jnp.where(jnp.isneginf(lse), 0.0, lse * LOG2_E)
     params = plgpu.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
-    interpret = p.implementation == "interpret"
+    interpret = p.interpret
     caps = (*score_caps, *mask_caps)
     common = dict(p=p, n_score=len(score_caps), n_mask=len(mask_caps))
 
     # ---- dQ ----
-    kv_lists = tiles.mask_lists(masks, "kv")
+    kv_lists = masks.major("kv")
 
     def q_index(i, bh):
         return bh // p.Hq, bh % p.Hq, tiles.heaviest_first(p.L, bq, i), 0
@@ -180,7 +182,7 @@ def backward(p: Problem, q, k, v, masks, score_caps, mask_caps, out, lse, d_out,
     )(q, k, v, d_out, lse2, delta, *kv_lists, *caps)
 
     # ---- dK, dV ----
-    q_lists = tiles.mask_lists(masks, "q")
+    q_lists = masks.major("q")
     G = p.groups
 
     def heads_panel(j, bh):

@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Problem
 from jattn._src.constants import LOG2_E, MASK_VALUE
+from jattn._src.masks.block_mask import MaskLists
 from jattn._src.pallas_triton_compile import compiler_params
 
 
@@ -62,10 +63,10 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     tiles.store(lse_ref, slice(None), lse, None if rows is None else rows[:, 0])
 
 
-def forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
+def forward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps):
     """(out [B, Hq, L, Ev], lse [B, Hq, L] float32 natural log)."""
     bq = p.config.block_q
-    lists = tiles.mask_lists(masks, "kv")
+    lists = masks.major("kv")
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
 
@@ -91,6 +92,6 @@ def forward(p: Problem, q, k, v, masks, score_caps, mask_caps):
                    jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
         compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
                                         compiler=p.config.compiler),
-        interpret=p.implementation == "interpret",
+        interpret=p.interpret,
         name="jattn_flex_fwd",
     )(q, k, v, *lists, *score_caps, *mask_caps)

@@ -45,7 +45,7 @@ def exp2(p: Problem, x):
     """2**x of a float32 tile. On the GPU one MUFU.EX2 per element (ex2.approx.ftz): jnp.exp2
     lowers to libdevice's exp2f, which wraps it in denormal handling the softmax does not need
     (results below 2**-126 become 0)."""
-    if p.implementation == "interpret":
+    if p.interpret:
         return jnp.exp2(x)
     return plgpu.elementwise_inline_asm(
         "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=r,r", pack=1,
@@ -162,10 +162,3 @@ def whole(x: Any) -> pl.BlockSpec:
     """A BlockSpec handing every program the whole array."""
     return pl.BlockSpec(jnp.shape(x), lambda *ids, nd=jnp.ndim(x): (0,) * nd)
 
-
-def mask_lists(masks: dict[str, jax.Array], major: str) -> list[jax.Array]:
-    """The partial (and full, if any) block lists of one orientation: 'kv' or 'q'."""
-    names = [f"{major}_num_blocks", f"{major}_indices"]
-    if f"full_{major}_num_blocks" in masks:
-        names += [f"full_{major}_num_blocks", f"full_{major}_indices"]
-    return [masks[name] for name in names]

@@ -4,6 +4,9 @@ Memory is O(L · block) per step, never L x S. One step is one BlockMask column 
 the block tables (partial / full) apply directly. Query heads are grouped by their kv head
 ([B, Hkv, G, L, ...]) so K and V are never repeated. The backward recomputes scores block by
 block and also yields gradients for arrays captured by score_mod (through `jax.vjp` of the mod).
+
+A key a query does not read (outside its blocks, or given zero weight) cannot affect it, NaN
+included: products with K and V never multiply a zero weight by a non-finite row.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from jax import lax
 
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import MASK_VALUE
+from jattn._src.masks.block_mask import MaskLists
 from jattn._src.tiling import cdiv
+
+
+def specialise(p: Problem, **_) -> Problem:
+    """p as it is: XLA runs every pass on the mods traced at its block (p.xla)."""
+    return p
 
 
 def block_signature(B: int, Hkv: int, groups: int, L: int, block: int):
@@ -71,11 +80,27 @@ def _scores(p: Problem, mods: Mods, score_captures, mask_captures, qg, k_block, 
     return raw, s, keep
 
 
-def _block_columns(tables):
-    return [jnp.moveaxis(t, -1, 0) for t in tables]  # [nKV, Bm, Hm, nQ]
+def _block_columns(lists: MaskLists):
+    return [jnp.moveaxis(t, -1, 0) for t in lists.dense()]  # [nKV, Bm, Hm, nQ] each
 
 
-def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
+def _weighted_rows(weights, rows, spec: str, **einsum_options):
+    """einsum(spec, weights [B, Hkv, G, L, block], rows [B, Hkv, block, D]) where a zero weight
+    never meets a non-finite row (0 * NaN is NaN): rows with NaN or inf count only where
+    weighted, and then make the result NaN. Costs one isfinite pass unless a block has one."""
+    finite = jnp.isfinite(rows).all(axis=-1)  # [B, Hkv, block]
+
+    def guarded():
+        clean = jnp.where(finite[..., None], rows, 0)
+        out = jnp.einsum(spec, weights, clean, **einsum_options)
+        read = ((weights != 0) & ~finite[:, :, None, None, :]).any(axis=-1, keepdims=True)
+        return jnp.where(read, jnp.nan, out).astype(out.dtype)
+
+    return lax.cond(finite.all(), lambda: jnp.einsum(spec, weights, rows, **einsum_options),
+                    guarded)
+
+
+def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],
             mask_captures: Sequence[Any]):
     """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] float32, natural log)."""
     qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
@@ -91,15 +116,15 @@ def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
         alpha = jnp.exp(m - m_new)
         e = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
         l = alpha * l + e.sum(axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum(
-            "bhglk,bhke->bhgle", e.astype(v.dtype), v_block, preferred_element_type=jnp.float32)
+        acc = alpha[..., None] * acc + _weighted_rows(
+            e.astype(v.dtype), v_block, "bhglk,bhke->bhgle", preferred_element_type=jnp.float32)
         return (m_new, l, acc), None
 
     init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
             jnp.zeros((*shape, p.Ev), jnp.float32))
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
-          *_block_columns((partial, full)))
+          *_block_columns(lists))
     (m, l, acc), _ = lax.scan(step, init, xs)
     l_safe = jnp.where(l == 0, 1.0, l)
     out = (acc / l_safe[..., None]).astype(q.dtype).reshape(p.B, p.Hq, p.L, p.Ev)
@@ -107,8 +132,14 @@ def forward(p: Problem, q, k, v, partial, full, score_captures: Sequence[Any],
     return out, lse
 
 
-def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, out, lse, d_out,
-             d_lse, differentiated: Sequence[bool], *, operand_grads: bool = True):
+def backward(p: Problem, res, d_out, d_lse):
+    """(dq, dk, dv, d_score_captures) of the custom_vjp's residuals `res` (attention.api)."""
+    return gradients(p, res.q, res.k, res.v, res.lists, res.score_captures,
+                     res.mask_captures, res.out, res.lse, d_out, d_lse, res.differentiated)
+
+
+def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captures, out, lse,
+              d_out, d_lse, differentiated: Sequence[bool], *, operand_grads: bool = True):
     """(dq, dk, dv, d_score_captures); dq/dk/dv are None when operand_grads is False.
 
     d_lse is the cotangent of the natural-log LSE: it enters as delta - d_lse. Captured arrays
@@ -135,8 +166,9 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
         raw, s, keep = _scores(p, p.xla, score_captures, mask_captures, qg, k_block, partial_j,
                                full_j, j)
         prob = jnp.where(keep, jnp.exp(s - lse_safe), 0.0)
+        read = prob > 0  # where a key has no weight its gradients are 0, whatever K and V hold
         dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=jnp.float32)
-        ds = prob * (dp - delta[..., None])
+        ds = jnp.where(read, prob * (dp - delta[..., None]), 0.0)
         if p.xla.score is not None:
             b, h, q_idx = _indices(p)
             kv = (j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32))
@@ -145,13 +177,15 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
             def mod(r, values):
                 return p.xla.score(with_learnable(values), r, b, h, q_idx, kv)[0]
 
-            _, mod_vjp = jax.vjp(mod, raw, [score_captures[i] for i in learnable])
+            # Unread scores (maybe NaN from a NaN key) enter the mod's derivative as 0.
+            _, mod_vjp = jax.vjp(mod, jnp.where(read, raw, 0.0),
+                                 [score_captures[i] for i in learnable])
             ds, d_caps_j = mod_vjp(ds)
             d_caps = jax.tree.map(jnp.add, d_caps, d_caps_j)
-        ds = jnp.where(keep, ds, 0.0)
+        ds = jnp.where(read, ds, 0.0)
         if not operand_grads:
             return (dq, d_caps), None
-        dq = dq + jnp.einsum("bhglk,bhke->bhgle", ds, k_block.astype(jnp.float32)) * p.scale
+        dq = dq + _weighted_rows(ds, k_block.astype(jnp.float32), "bhglk,bhke->bhgle") * p.scale
         dk = jnp.einsum("bhglk,bhgle->bhke", ds, qg.astype(jnp.float32)) * p.scale
         dv = jnp.einsum("bhglk,bhgle->bhke", prob.astype(v.dtype), dog,
                         preferred_element_type=jnp.float32)
@@ -162,7 +196,7 @@ def backward(p: Problem, q, k, v, partial, full, score_captures, mask_captures, 
     dq0 = jnp.zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32)
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
-          *_block_columns((partial, full)))
+          *_block_columns(lists))
     (dq, d_caps), per_block = lax.scan(step, (dq0, zeros_caps), xs)
     d_caps = dict(zip(learnable, d_caps))
     d_caps = [d_caps.get(i) for i in range(len(score_captures))]

@@ -1,21 +1,32 @@
-"""Public flex decoding: validation, positions and lengths, config and split choice, dispatch."""
+"""Public flex decoding: validation, positions and lengths, backend choice, cached programs."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src import platform
-from jattn._src.attention.common import checked_mask_mod, checked_score_mod
-from jattn._src.decoding import pallas_triton, xla
-from jattn._src.decoding.common import MAX_DECODE_QUERIES, kv_lists, make_problem
-from jattn._src.decoding.config import DecodeConfig
+from jattn._src import backends
+from jattn._src.attention import pallas_triton_split_kv
+from jattn._src.attention.common import checked_mask_mod, checked_score_mod, without_captures
+from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, DecodeProblem, make_problem
+from jattn._src.attention.split_kv_config import DecodeConfig
+from jattn._src.decoding import xla
 from jattn._src.decoding.paged import PagedKVCache, concrete
 from jattn._src.masks.block_mask import BlockMask
+from jattn._src.programs import ProgramCache
 from jattn._src.user_functions import CaptureSet
+
+_OP = "flex_decode"
+# The split-KV kernel runs a few queries per sequence; the XLA implementation (and longer query
+# blocks on any backend) runs flex_attention over the cache.
+backends.register(backends.Implementation(_OP, backends.XLA, xla))
+for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
+    backends.register(backends.Implementation(_OP, _backend, pallas_triton_split_kv,
+                                              config_class=DecodeConfig))
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -53,7 +64,7 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, kv_dtype) -> None:
     if q.dtype not in _DTYPES or q.dtype != kv_dtype:
         raise TypeError(f"flex_decode: q ({q.dtype}) and k/v ({kv_dtype}) must share one of "
                         "bfloat16, float16, float32.")
-    if 0 in (q.shape[1], Hkv, E):
+    if 0 in (q.shape[1], Hkv, E, q.shape[3]):
         raise ValueError(f"flex_decode: q and k/v need at least one head and a head dim of at "
                          f"least 1, got q {q.shape}, {Hkv} kv heads and head dim {E}.")
     if q.shape[1] % Hkv:
@@ -132,6 +143,36 @@ _no_gradient.defvjp(_no_gradient_fwd, lambda _, cotangent: (cotangent,))
 
 
 # ------------------------------------------------------------------------------------------------
+# Kernel programs, one per problem
+# ------------------------------------------------------------------------------------------------
+
+_PROGRAMS: ProgramCache[Callable] = ProgramCache()
+
+
+def _problem_key(p: DecodeProblem) -> tuple:
+    """Everything the kernels' program depends on: the problem's fields, its mods by what they
+    compute (not the arrays they captured)."""
+    fields = tuple(getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "mods")
+    return fields + tuple(None if f is None else f.key for f in (p.mods.score, p.mods.mask))
+
+
+def _kernel_program(p: DecodeProblem) -> Callable:
+    """The jitted split-KV decode of p (made once per problem key)."""
+    key = _problem_key(p)
+    program = _PROGRAMS.get(key)
+    if program is None:
+        stripped = dataclasses.replace(p, mods=without_captures(p.mods))
+
+        def run(q, k, v, kv_len, table, lists, score_caps, mask_caps, bad):
+            q, k, v, score_caps = _no_gradient((q, k, v, score_caps))
+            return pallas_triton_split_kv.forward(stripped, q, k, v, kv_len, table, lists,
+                                                  score_caps, mask_caps, bad=bad)
+
+        program = _PROGRAMS.put(key, jax.jit(run))
+    return program
+
+
+# ------------------------------------------------------------------------------------------------
 # Public API
 # ------------------------------------------------------------------------------------------------
 
@@ -160,7 +201,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         past it are never read, so stale or unassigned cache slots are harmless.
       scale: default 1/sqrt(E). return_lse: also return the natural-log LSE [B, Hq, Lq].
       config: a DecodeConfig (None: heuristic; the split count from the device's SMs).
-      implementation: "pallas_triton", "xla" or "interpret" (default by platform).
+      implementation: "pallas_triton", "xla" or "interpret" (default: $JATTN_IMPLEMENTATION,
+        else by platform; `jattn.explain` says which and why).
 
     Returns:
       out [B, Hq, Lq, Ev] of q's dtype (and the LSE). A query that attends to nothing (kv_len 0,
@@ -187,17 +229,23 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         raise TypeError(f"flex_decode: `config` must be a DecodeConfig, got {config!r}.")
     if block_mask is not None:
         _check_block_mask(block_mask, B, Hq, S)
-    implementation = platform.resolve_implementation(implementation)
+    if Ev == 0:
+        raise ValueError(f"flex_decode: v's head dim must be at least 1, got {Ev}.")
+    implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
+                                      value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
 
-    if implementation == "xla" or Lq > MAX_DECODE_QUERIES:
+    if 0 in (B, Lq, S):  # nothing to compute: empty, or no key to attend to
+        out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)
+        lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
+    elif not implementation.backend.pallas or Lq > MAX_DECODE_QUERIES:
         k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
         kv_len = jnp.clip(kv_len, 0, S)
         out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
-                               scale=scale, implementation=implementation)
+                               scale=scale, implementation=implementation.name)
         if bad is not None:
             out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
             lse = jnp.where(bad[:, None, None], jnp.nan, lse)
@@ -210,16 +258,16 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
             score_mod=None if score_mod is None else checked_score_mod(score_mod),
             mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod),
             score_set=score_set, mask_set=mask_set, static_length=static_length,
-            queries_last=True, scale=scale, implementation=implementation, config=config)
+            queries_last=True, scale=scale, interpret=implementation.backend.interpret,
+            config=config)
         if cache is not None:
             k, v, table = cache.k_pages, cache.v_pages, cache.page_table
         else:
             table = None
-        q, k, v, score_caps = _no_gradient((q, k, v, tuple(score_set.captures)))
-        lists = [] if block_mask is None else kv_lists(vars(block_mask))
+        lists = [] if block_mask is None else block_mask.lists().major("kv")
         # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
         # jit each XLA op here would be a kernel launch of its own per call.
-        out, lse = pallas_triton.forward(problem, q, k, v, None if static_length else kv_len,
-                                         table, lists, score_caps, tuple(mask_set.captures),
-                                         bad=bad)
+        out, lse = _kernel_program(problem)(q, k, v, None if static_length else kv_len, table,
+                                            lists, tuple(score_set.captures),
+                                            tuple(mask_set.captures), bad)
     return (out, lse) if return_lse else out

@@ -13,15 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src import platform
+from jattn._src import backends, hardware
+from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.programs import jitted
 from jattn._src.tiling import next_power_of_two
 from jattn._src.tuning import autotune, cache
 from jattn._src.user_functions import TracedFunction, trace_with_captures
 
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_CACHE_OP = "matmul"
+
+# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles). bmm and the
+# backward products run matmul's implementation.
+for _op in ("matmul", "bmm", "mm_plus_mm", "scaled_matmul"):
+    backends.register(Implementation(_op, backends.XLA, xla))
+    for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
+        backends.register(Implementation(_op, _backend, pallas_triton, config_class=MatmulConfig,
+                                         heuristic=heuristic_config, search_space=search_space))
 
 Epilogue = Callable[..., jax.Array]
 
@@ -111,62 +120,81 @@ def _trace_epilogue(op: str, epilogue: Epilogue, tile: tuple[int, int], full: tu
 # Config choice
 # ------------------------------------------------------------------------------------------------
 
-def _cache_key(m: int, n: int, k: int, dtype: jnp.dtype) -> str:
+# Makes, for a candidate config, a zero-argument function that runs the op once on fixed inputs
+# of the tuned shape (what the autotuner times).
+RunMaker = Callable[[MatmulConfig], Callable[[], Any]]
+
+
+def _cache_key(implementation: Implementation, m: int, n: int, k: int, dtype: jnp.dtype) -> str:
     bucket = "x".join(str(next_power_of_two(d)) for d in (m, n, k))
-    return f"{platform.device_kind()}|{bucket}|{jnp.dtype(dtype).name}"
+    return (f"{implementation.name}|{hardware.device_kind()}|{bucket}|"
+            f"{jnp.dtype(dtype).name}")
 
 
-def _tune(m: int, n: int, k: int, dtype: jnp.dtype) -> MatmulConfig:
-    rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    b = jnp.asarray(rng.standard_normal((k, n)), dtype)
+def random_operand(shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
+    """A standard-normal operand for timing candidate configs."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _matmul_runs(implementation: Implementation, m: int, n: int, k: int, dtype) -> RunMaker:
+    a, b = random_operand((m, k), dtype, 0), random_operand((k, n), dtype, 1)
 
     def make_run(config: MatmulConfig):
-        run = jax.jit(functools.partial(_product, "pallas_triton", config, dtype))
+        run = jax.jit(functools.partial(_product, implementation, config, dtype))
         return lambda: run(a, b)
 
-    best, _ = autotune.autotune(search_space(m, n, k, dtype), make_run,
-                                desc=f"jattn: tuning matmul {m}x{n}x{k} {jnp.dtype(dtype).name}")
-    cache.store(_CACHE_OP, _cache_key(m, n, k, dtype), dataclasses.asdict(best))
-    return best
+    return make_run
 
 
-def _check_config_type(config: Any) -> None:
+def _check_config_type(op: str, config: Any) -> None:
     if not (config is None or isinstance(config, MatmulConfig) or config == "autotune"):
-        raise TypeError(f"`config` must be a MatmulConfig, None or 'autotune', got {config!r}.")
+        raise TypeError(f"{op}: `config` must be a MatmulConfig, None or 'autotune', got "
+                        f"{config!r}.")
 
 
-def choose_config(config: MatmulConfig | str | None, m: int, n: int, k: int,
-                  dtype: jnp.dtype) -> MatmulConfig:
-    """The caller's config as given; else a cached tuning result; else the heuristic.
-
-    config="autotune" times the search space on the current device now (unless cached) and
-    records the winner in the on-disk cache.
+def choose_config(op: str, implementation: Implementation, config: MatmulConfig | str | None,
+                  m: int, n: int, k: int, dtype: jnp.dtype, *, runs: RunMaker | None = None,
+                  split_k: bool = True) -> MatmulConfig:
+    """The config of one `op` product on a kernel implementation: the caller's as given; else
+    the op's cached tuning result; else (config="autotune") the search space timed now on
+    this device with `runs` (default: matmul's) and the winner cached under (op,
+    implementation, device, shape bucket, dtype); else the heuristic. split_k=False: the op's
+    kernel cannot split K (a cached or heuristic config runs with split_k = 1).
     """
-    _check_config_type(config)
     if isinstance(config, MatmulConfig):
         return config
-    cached = cache.lookup(_CACHE_OP, _cache_key(m, n, k, dtype))
+    key = _cache_key(implementation, m, n, k, dtype)
+    cached = cache.lookup(op, key)
     if cached is not None:
-        return MatmulConfig(**cached)
-    if config == "autotune":
-        return _tune(m, n, k, dtype)
-    return heuristic_config(m, n, k, dtype)
+        chosen = MatmulConfig(**cached)
+    elif config == "autotune":
+        candidates = implementation.search_space(m, n, k, dtype)
+        if not split_k:
+            candidates = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
+                                            for c in candidates))
+        make_run = runs or _matmul_runs(implementation, m, n, k, dtype)
+        chosen, _ = autotune.autotune(
+            candidates, make_run,
+            desc=f"jattn: tuning {op} {m}x{n}x{k} {jnp.dtype(dtype).name}")
+        cache.store(op, key, dataclasses.asdict(chosen))
+    else:
+        chosen = implementation.heuristic(m, n, k, dtype)
+    return chosen if split_k else dataclasses.replace(chosen, split_k=1)
 
 
 # ------------------------------------------------------------------------------------------------
 # One product on 2-D operands, by implementation
 # ------------------------------------------------------------------------------------------------
 
-def _product(implementation: str, config: MatmulConfig | None, out_dtype, a, b, bias=None,
-             captures: Sequence[Any] = (), *, transpose_a=False, transpose_b=False,
+def _product(implementation: Implementation, config: MatmulConfig | None, out_dtype, a, b,
+             bias=None, captures: Sequence[Any] = (), *, transpose_a=False, transpose_b=False,
              epilogue_tile: TracedFunction | None = None,
              epilogue_full: TracedFunction | None = None, save_preact=False):
     common = dict(out_dtype=out_dtype, transpose_a=transpose_a, transpose_b=transpose_b)
-    if implementation == "xla":
+    if not implementation.backend.pallas:
         return xla.matmul(a, b, bias, captures, epilogue=epilogue_full, save_preact=save_preact,
                           **common)
-    interpret = implementation == "interpret"
+    interpret = implementation.backend.interpret
     if config.split_k == 1:
         return pallas_triton.matmul(a, b, bias, captures, config=config, epilogue=epilogue_tile,
                                     save_preact=save_preact, interpret=interpret, **common)
@@ -175,17 +203,18 @@ def _product(implementation: str, config: MatmulConfig | None, out_dtype, a, b, 
                               save_preact)
 
 
-def product_for_shape(implementation: str, a, b, out_dtype, **transposes):
-    """A plain product (no bias, no epilogue) with the default config for its own shape.
+def product_for_shape(implementation: Implementation, a, b, out_dtype, **transposes):
+    """A plain product (no bias, no epilogue) with matmul's config for its own shape.
 
     The products of every GEMM backward; `transposes` are transpose_a / transpose_b.
     """
     config = None
-    if implementation != "xla":
+    implementation = backends.on_backend_of("matmul", implementation)
+    if implementation.backend.pallas:
         m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
         k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
         n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
-        config = choose_config(None, m, n, k, a.dtype)
+        config = choose_config("matmul", implementation, None, m, n, k, a.dtype)
     return _product(implementation, config, out_dtype, a, b, **transposes)
 
 
@@ -193,7 +222,7 @@ def product_for_shape(implementation: str, a, b, out_dtype, **transposes):
 class Options:
     """Everything static about one matmul call (the custom_vjp's non-differentiable argument)."""
 
-    implementation: str
+    implementation: Implementation
     config: MatmulConfig | None
     out_dtype: jnp.dtype
     epilogue_tile: TracedFunction | None
@@ -260,25 +289,28 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 # ------------------------------------------------------------------------------------------------
 
 def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
-                 implementation, *, split_k: bool = True) -> tuple[Options, tuple[Any, ...]]:
+                 implementation, *, split_k: bool = True, runs: Callable | None = None
+                 ) -> tuple[Options, tuple[Any, ...]]:
     """Validated static options of an [m, k] @ [k, n] product, and the epilogue's captures.
 
     split_k=False (fused variants that cannot split K): a caller's config with split_k > 1 is
-    rejected, and a cached or heuristic one runs with split_k = 1.
+    rejected, and a cached or heuristic one runs with split_k = 1. runs(implementation): the
+    op's RunMaker for config="autotune" (default: a plain matmul of the shape).
     """
     _check_bias(op, bias, n)
     out_dtype = _out_dtype(op, out_dtype, dtype)
-    implementation = platform.resolve_implementation(implementation)
+    _check_config_type(op, config)
+    implementation = backends.resolve(op, implementation, dtype=dtype)
+    if 0 in (m, n, k):
+        implementation = backends.for_empty(op)
     if not split_k and isinstance(config, MatmulConfig) and config.split_k != 1:
         raise ValueError(f"{op}: config.split_k={config.split_k} is not supported (the kernel "
                          "runs one program per output tile); use split_k=1.")
-    if implementation == "xla":  # XLA picks its own tiles: the config is checked, then unused
-        _check_config_type(config)
+    if not implementation.backend.pallas:  # XLA picks its own tiles: a config goes unused
         resolved, tile = None, (m, n)
     else:
-        resolved = choose_config(config, m, n, k, dtype)
-        if not split_k:
-            resolved = dataclasses.replace(resolved, split_k=1)
+        resolved = choose_config(op, implementation, config, m, n, k, dtype, split_k=split_k,
+                                 runs=None if runs is None else runs(implementation))
         tile = (resolved.block_m, resolved.block_n)
     epilogue_tile = epilogue_full = None
     captures: Sequence[Any] = ()
@@ -321,7 +353,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     m, n = math.prod(lead), b.shape[1]
     options, captures = make_options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype,
                                      config, implementation)
-    out = _matmul(options, a.reshape(m, k), b, bias, captures)
+    out = jitted(_matmul, options)(a.reshape(m, k), b, bias, captures)
     return out.reshape(*lead, n)
 
 
@@ -358,5 +390,6 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
                                      config, implementation)
     a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
     b = b.reshape((1,) * (len(batch) + 2 - b.ndim) + b.shape)
-    product = lambda x, y: _matmul(options, x, y, bias, captures)
+    program = jitted(_matmul, options)
+    product = lambda x, y: program(x, y, bias, captures)
     return _broadcast_batch(product, a, b, len(batch))

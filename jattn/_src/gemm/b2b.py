@@ -17,33 +17,40 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn._src import platform
+from jattn._src import backends
+from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton_b2b, xla
 from jattn._src.gemm.api import check_operands, matmul, product_for_shape
 from jattn._src.gemm.config import (B2B_MAX_HELD, B2BConfig, b2b_held_width,
                                     heuristic_b2b_config)
+from jattn._src.programs import jitted
 from jattn._src.user_functions import TracedFunction, trace_with_captures
 
 _OP = "b2b_matmul"
 _SIDES = ("left", "right")
+
+backends.register(Implementation(_OP, backends.XLA, xla))
+for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
+    backends.register(Implementation(_OP, _backend, pallas_triton_b2b, config_class=B2BConfig,
+                                     heuristic=heuristic_b2b_config))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """Everything static about one b2b call (the custom_vjp's non-differentiable argument)."""
 
-    implementation: str
+    implementation: Implementation
     side: str
     config: B2BConfig | None
     fn_tile: TracedFunction | None
     fn_full: TracedFunction | None
 
     def product(self, a, b, c, captures):
-        if self.implementation == "xla":
+        if not self.implementation.backend.pallas:
             return xla.b2b(a, b, c, captures, side=self.side, fn=self.fn_full)
         return pallas_triton_b2b.b2b(a, b, c, captures, side=self.side, config=self.config,
                                      fn=self.fn_tile,
-                                     interpret=self.implementation == "interpret")
+                                     interpret=self.implementation.backend.interpret)
 
     def plain(self, x, y, out_dtype, **transposes):
         return product_for_shape(self.implementation, x, y, out_dtype, **transposes)
@@ -153,7 +160,9 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     pairs = [(a, b, ("a", "b")), (b, c, ("b", "c"))]
     for x, y, names in pairs if side == "left" else pairs[::-1]:
         check_operands(_OP, x, y, b_max_ndim=None, names=names)
-    implementation = platform.resolve_implementation(implementation)
+    implementation = backends.resolve(_OP, implementation, dtype=a.dtype)
+    if 0 in (*a.shape, *b.shape, *c.shape):
+        implementation = backends.for_empty(_OP)
 
     *lead, width = a.shape
     m, n = math.prod(lead), c.shape[1]
@@ -164,7 +173,7 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     full = (m, inner) if left else (inner, n)
     on_chip = b2b_held_width(held_size) <= B2B_MAX_HELD
 
-    if implementation != "xla" and not on_chip:
+    if implementation.backend.pallas and not on_chip:
         if config is not None:
             raise ValueError(
                 f"{_OP}: config given, but the kernel holds the whole {'N' if left else 'M'}="
@@ -172,13 +181,14 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
                 "config=None to run as two jattn.matmul calls.")
         if fn is not None:
             _trace_fn(fn, full)  # the same checks and errors as the kernel path
-        first = matmul(a, b, epilogue=fn, implementation=implementation) if left else matmul(
-            b, c, epilogue=fn, implementation=implementation)
-        out = matmul(first, c, implementation=implementation) if left else matmul(
-            a, first, implementation=implementation)
+        name = implementation.name
+        first = matmul(a, b, epilogue=fn, implementation=name) if left else matmul(
+            b, c, epilogue=fn, implementation=name)
+        out = matmul(first, c, implementation=name) if left else matmul(
+            a, first, implementation=name)
         return out.reshape(*lead, n)
 
-    if implementation == "xla":
+    if not implementation.backend.pallas:
         resolved, tile = None, None
     else:
         resolved = config or heuristic_b2b_config(outer, held_size, inner, k, a.dtype)
@@ -190,4 +200,4 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
         traced, captures = _trace_fn(fn, full, *([tile] if tile else []))
         fn_full, fn_tile = traced[0], (traced[1] if tile else None)
     options = _Options(implementation, side, resolved, fn_tile, fn_full)
-    return _b2b(options, a, b, c, captures).reshape(*lead, n)
+    return jitted(_b2b, options)(a, b, c, captures).reshape(*lead, n)

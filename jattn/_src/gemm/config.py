@@ -7,13 +7,8 @@ import itertools
 
 import numpy as np
 
+from jattn._src.hardware import SHARED_MEMORY_BYTES, num_sms
 from jattn._src.tiling import check_positive, check_tiles, check_warps, dot_tile
-
-# Shared memory per block on an H100 (227 KiB); candidates whose pipeline needs more are skipped.
-SHARED_MEMORY_BYTES = 227 * 1024
-
-# Streaming multiprocessors of an H100: split-K targets at least this many programs.
-NUM_SMS = 132
 
 
 def _fit(block: int, size: int) -> int:
@@ -67,7 +62,7 @@ def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     k_steps = -(-k // config.block_k)
     split = 1
-    while 2 * tiles * split < NUM_SMS and k_steps // (2 * split) >= 4:
+    while 2 * tiles * split < num_sms() and k_steps // (2 * split) >= 4:
         split *= 2
     return split
 

@@ -14,32 +14,41 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jattn._src import platform
+from jattn._src import backends
+from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton_mixed, quantize, xla
 from jattn._src.gemm.api import product_for_shape
 from jattn._src.gemm.config import MatmulConfig, heuristic_mixed_config
+from jattn._src.programs import jitted
 
 _OP = "mixed_matmul"
 _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _QWEIGHT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.uint8)}
 
 
+backends.register(Implementation(_OP, backends.XLA, xla))
+for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
+    backends.register(Implementation(_OP, _backend, pallas_triton_mixed,
+                                     config_class=MatmulConfig,
+                                     heuristic=heuristic_mixed_config))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     """Everything static about one call (the custom_vjp's non-differentiable argument)."""
 
-    implementation: str
+    implementation: Implementation
     config: MatmulConfig | None
     bits: int
     group_size: int | None
 
     def product(self, a, qweight, scales):
-        if self.implementation == "xla":
+        if not self.implementation.backend.pallas:
             return xla.mixed_matmul(a, qweight, scales, bits=self.bits,
                                     group_size=self.group_size, out_dtype=a.dtype)
         out = pallas_triton_mixed.mixed_matmul(
             a, qweight, scales, bits=self.bits, group_size=self.group_size, config=self.config,
-            out_dtype=a.dtype, interpret=self.implementation == "interpret")
+            out_dtype=a.dtype, interpret=self.implementation.backend.interpret)
         return out if self.config.split_k == 1 else out.sum(axis=0).astype(a.dtype)
 
 
@@ -159,15 +168,17 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
     quantize.check_bits(_OP, bits)
     a, qweight, scales = (jnp.asarray(x) for x in (a, qweight, scales))
     k, n = _check_inputs(a, qweight, scales, bits, group_size)
-    implementation = platform.resolve_implementation(implementation)
+    implementation = backends.resolve(_OP, implementation, dtype=a.dtype)
+    if 0 in (*a.shape, *qweight.shape):
+        implementation = backends.for_empty(_OP)
     *lead, _ = a.shape
     m = math.prod(lead)
     resolved = None
-    if implementation == "xla":
+    if not implementation.backend.pallas:
         if not (config is None or isinstance(config, MatmulConfig)):
             raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
     else:
         resolved = _resolve_config(config, m, n, k, bits)
     scales = scales.reshape(-1, n)
     options = _Options(implementation, resolved, bits, group_size)
-    return _mixed_matmul(options, a.reshape(m, k), qweight, scales).reshape(*lead, n)
+    return jitted(_mixed_matmul, options)(a.reshape(m, k), qweight, scales).reshape(*lead, n)

@@ -9,21 +9,23 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton, xla
-from jattn._src.gemm.api import Epilogue, Options, check_operands, make_options
+from jattn._src.gemm.api import Epilogue, Options, check_operands, make_options, random_operand
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.programs import jitted
 
 _OP = "mm_plus_mm"
 
 
 def _product(options: Options, a, b, c, d, bias, captures, *, save_preact=False):
-    if options.implementation == "xla":
+    if not options.implementation.backend.pallas:
         return xla.mm_plus_mm(a, b, c, d, bias, captures, out_dtype=options.out_dtype,
                               epilogue=options.epilogue_full, save_preact=save_preact)
     return pallas_triton.mm_plus_mm(
         a, b, c, d, bias, captures, config=options.config, out_dtype=options.out_dtype,
         epilogue=options.epilogue_tile, save_preact=save_preact,
-        interpret=options.implementation == "interpret")
+        interpret=options.implementation.backend.interpret)
 
 
 class _Residuals(NamedTuple):
@@ -99,7 +101,20 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, *,
                          "columns N.")
     *lead, k1 = a.shape
     m, n, k2 = math.prod(lead), b.shape[1], c.shape[-1]
+
+    def runs(implementation: Implementation):  # config="autotune" times mm_plus_mm itself
+        operands = [random_operand(shape, a.dtype, seed)
+                    for seed, shape in enumerate(((m, k1), (k1, n), (m, k2), (k2, n)))]
+
+        def make_run(config: MatmulConfig):
+            tuned = Options(implementation, config, a.dtype, None, None)
+            run = jax.jit(lambda *xs: _product(tuned, *xs, None, ()))
+            return lambda: run(*operands)
+
+        return make_run
+
     options, captures = make_options(_OP, m, n, k1 + k2, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation, split_k=False)
-    out = _mm_plus_mm(options, a.reshape(m, k1), b, c.reshape(m, k2), d, bias, captures)
+                                     config, implementation, split_k=False, runs=runs)
+    out = jitted(_mm_plus_mm, options)(a.reshape(m, k1), b, c.reshape(m, k2), d, bias,
+                                      captures)
     return out.reshape(*lead, n)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.api import Options, make_options
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.programs import jitted
 
 _OP = "scaled_matmul"
 _FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -54,12 +55,12 @@ def _canonical_scale(name: str, scale: Any, per: str, row_wise_shapes,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _scaled_matmul(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):
-    if options.implementation == "xla":
+    if not options.implementation.backend.pallas:
         return xla.scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype=options.out_dtype)
     return pallas_triton.scaled_matmul(a, b, scale_a, scale_b, bias, config=options.config,
                                        out_dtype=options.out_dtype,
                                        use_fast_accum=use_fast_accum,
-                                       interpret=options.implementation == "interpret")
+                                       interpret=options.implementation.backend.interpret)
 
 
 def _scaled_matmul_fwd(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):
@@ -126,4 +127,4 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
     scale_b = _canonical_scale("scale_b", scale_b, "column of b", ((n,), (1, n)), (1, n))
     options, _ = make_options(_OP, m, n, k, a.dtype, bias, None, out_dtype, config,
                               implementation, split_k=False)
-    return _scaled_matmul(options, use_fast_accum, a, b, scale_a, scale_b, bias)
+    return jitted(_scaled_matmul, options, use_fast_accum)(a, b, scale_a, scale_b, bias)

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src.tiling import cdiv
+from jattn._src.tiling import cdiv, next_power_of_two
 
 MaskMod = Callable[..., jax.Array]
+
+# torch's default block size; any block size up to it is fine for a short sequence.
+DEFAULT_BLOCK = 128
 
 
 def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) -> jax.Array:
@@ -43,6 +47,48 @@ def lists_from_dense(table: jax.Array) -> tuple[jax.Array, jax.Array]:
     num_blocks = table.sum(axis=-1, dtype=jnp.int32)
     indices = jnp.argsort(~table, axis=-1, stable=True).astype(jnp.int32)
     return num_blocks, indices
+
+
+class MaskLists(NamedTuple):
+    """A BlockMask's block lists as every implementation reads them (int32): partial blocks,
+    then full ones (None where the mask has no full lists); kv-major (the forward and dQ walk
+    them) and q-major (dK/dV). The field order is the torch ops' order of mask tensors."""
+
+    kv_num_blocks: jax.Array
+    kv_indices: jax.Array
+    q_num_blocks: jax.Array
+    q_indices: jax.Array
+    full_kv_num_blocks: jax.Array | None = None
+    full_kv_indices: jax.Array | None = None
+    full_q_num_blocks: jax.Array | None = None
+    full_q_indices: jax.Array | None = None
+
+    @property
+    def has_full(self) -> bool:
+        return self.full_kv_num_blocks is not None
+
+    def major(self, which: str) -> list[jax.Array]:
+        """[counts, indices] of the partial lists of one orientation ('kv' or 'q'), then the
+        full ones if any."""
+        names = [f"{which}_num_blocks", f"{which}_indices"]
+        if self.has_full:
+            names += [f"full_{which}_num_blocks", f"full_{which}_indices"]
+        return [getattr(self, name) for name in names]
+
+    def dense(self) -> tuple[jax.Array, jax.Array]:
+        """[Bm, Hm, nQ, nKV] bool tables of partial and full blocks (from the kv-major lists)."""
+        n_kv = self.kv_indices.shape[-1]
+        partial = dense_from_lists(self.kv_num_blocks, self.kv_indices, n_kv)
+        if not self.has_full:
+            return partial, jnp.zeros_like(partial)
+        return partial, dense_from_lists(self.full_kv_num_blocks, self.full_kv_indices, n_kv)
+
+
+def _int32(x) -> jax.Array | np.ndarray:
+    """x as int32; a numpy array stays one (under jit a constant, eagerly no device op)."""
+    if isinstance(x, np.ndarray):
+        return x.astype(np.int32, copy=False)
+    return jnp.asarray(x, jnp.int32)
 
 
 def _transpose(table: jax.Array) -> jax.Array:
@@ -121,6 +167,7 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (n_q * block_size[0], n_kv * block_size[1])
         seq_lengths = _pair("seq_lengths", seq_lengths, minimum=1)
+        check_block_size("from_kv_blocks", block_size, seq_lengths)
         if (cdiv(seq_lengths[0], block_size[0]), cdiv(seq_lengths[1], block_size[1])) != (
                 n_q, n_kv):
             raise ValueError(f"from_kv_blocks: seq_lengths {seq_lengths} with block_size "
@@ -140,6 +187,12 @@ class BlockMask:
     @property
     def num_blocks(self) -> tuple[int, int]:
         return tuple(self.kv_indices.shape[-2:])
+
+    def lists(self) -> MaskLists:
+        """The block lists as int32 (the one flattening every implementation reads)."""
+        names = MaskLists._fields if self.full_kv_num_blocks is not None else \
+            MaskLists._fields[:4]
+        return MaskLists(*(_int32(getattr(self, name)) for name in names))
 
     def partial_blocks(self) -> jax.Array:
         """[Bm, Hm, nQ, nKV] bool: blocks that apply mask_mod."""
@@ -190,6 +243,18 @@ def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:
                                  for v in pair):
         raise ValueError(f"`{name}` must be an int >= {minimum} or a pair of them, got {value!r}.")
     return int(pair[0]), int(pair[1])
+
+
+def check_block_size(fn: str, block_size: tuple[int, int], seq_lengths: tuple[int, int]) -> None:
+    """A block may be at most max(128, the length rounded up to a power of two) along each
+    axis: larger blocks only pad (and the kernels would allocate for the padding)."""
+    for axis, name in enumerate(("Q_LEN", "KV_LEN")):
+        largest = max(DEFAULT_BLOCK, next_power_of_two(seq_lengths[axis]))
+        if block_size[axis] > largest:
+            raise ValueError(f"{fn}: block_size {block_size} is larger than {name}="
+                             f"{seq_lengths[axis]} needs (at most {largest} along that axis); "
+                             "a block past the sequence end is padding. Use a block size up "
+                             f"to {largest}, e.g. the default {DEFAULT_BLOCK}.")
 
 
 def _check_lists(name: str, num_blocks: jax.Array, indices: jax.Array) -> None:

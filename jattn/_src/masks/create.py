@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair
+from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair, check_block_size
 from jattn._src.tiling import cdiv
 
 
@@ -104,6 +104,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_block_mask", B, H, Q_LEN, KV_LEN)
     block_size = _pair("block_size", block_size)
+    check_block_size("create_block_mask", block_size, (Q_LEN, KV_LEN))
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: `mask_mod` must be callable, got {mask_mod!r}.")
     return _build(mask_mod, B, H, Q_LEN, KV_LEN, *block_size)

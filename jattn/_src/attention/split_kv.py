@@ -1,4 +1,5 @@
-"""What every flex decoding implementation shares: the static problem and the block lists."""
+"""The split-KV attention kernel's static problem: flex decoding, and flex_attention's forward
+for a few queries."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jattn._src import hardware
 from jattn._src.attention.common import Mods
-from jattn._src.decoding.config import (DecodeConfig, choose_num_splits, heuristic_config,
-                                        heuristic_stages)
-from jattn._src.gemm.config import NUM_SMS
+from jattn._src.attention.split_kv_config import (DecodeConfig, choose_num_splits,
+                                                  heuristic_config, heuristic_stages)
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.tiling import cdiv, dot_tile
 from jattn._src.user_functions import CaptureSet
@@ -58,7 +59,7 @@ class DecodeProblem:
     mask_block: tuple[int, int]
     mask_rows: int
     scale: float
-    implementation: str
+    interpret: bool       # the kernels run in the Pallas interpreter
     config: DecodeConfig  # num_splits resolved
     mods: Mods            # traced on [block_m, block_k] tiles: b scalar; h, q_idx [M, 1]
 
@@ -89,16 +90,11 @@ class DecodeProblem:
 # The kernel's problem: tiles, head packing, splits, mods traced at the tile shapes
 # ------------------------------------------------------------------------------------------------
 
-def num_sms() -> int:
-    """SMs of the default device (JAX reports them for GPUs; elsewhere an H100's count)."""
-    return getattr(jax.devices()[0], "core_count", None) or NUM_SMS
-
-
 def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int, kv_batch: int,
                  page_size: int | None, num_pages: int | None, block_mask: BlockMask | None,
                  score_mod: Callable | None, mask_mod: Callable | None,
                  score_set: CaptureSet | None, mask_set: CaptureSet | None, static_length: bool,
-                 queries_last: bool, scale: float, implementation: str,
+                 queries_last: bool, scale: float, interpret: bool,
                  config: DecodeConfig | None) -> DecodeProblem:
     """The kernel's DecodeProblem. score_mod/mask_mod (None: absent) come wrapped by the
     attention checks; their captured arrays are added to score_set/mask_set."""
@@ -114,7 +110,8 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
         d for d in range(1, groups + 1) if groups % d == 0 and d * Lq <= config.block_m)
     block_m = dot_tile(heads_per_tile * Lq)
     splits = config.num_splits or choose_num_splits(B * Hkv * (groups // heads_per_tile),
-                                                    cdiv(S, config.block_k), num_sms())
+                                                    cdiv(S, config.block_k),
+                                                    hardware.num_sms())
     config = dataclasses.replace(config, num_splits=splits)
     if chosen:
         config = dataclasses.replace(
@@ -137,12 +134,5 @@ def make_problem(*, B: int, Hq: int, Hkv: int, Lq: int, S: int, E: int, Ev: int,
         mask_heads=block_mask.shape[1] if has_mask else 1,
         mask_block=block_mask.block_size if has_mask else (1, 1),
         mask_rows=block_mask.num_blocks[0] if has_mask else 1, scale=scale,
-        implementation=implementation, config=config, mods=mods)
+        interpret=interpret, config=config, mods=mods)
 
-
-def kv_lists(masks: dict[str, jax.Array]) -> list[jax.Array]:
-    """The kernel's block lists from BlockMask fields: partial, then full if present."""
-    names = ["kv_num_blocks", "kv_indices"]
-    if masks.get("full_kv_num_blocks") is not None:
-        names += ["full_kv_num_blocks", "full_kv_indices"]
-    return [jnp.asarray(masks[name], jnp.int32) for name in names]

@@ -38,8 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn._src.attention import pallas_triton_tiles as tiles
+from jattn._src.attention.split_kv import DecodeProblem
 from jattn._src.constants import LOG2_E, MASK_VALUE
-from jattn._src.decoding.common import DecodeProblem, kv_lists
+from jattn._src.masks.block_mask import MaskLists
 from jattn._src.pallas_triton_compile import compiler_params
 from jattn._src.pallas_triton_lookup import call_in_kernel
 
@@ -272,7 +273,7 @@ def forward(p: DecodeProblem, q, k, v, kv_len, page_table, lists, score_caps, ma
                    jax.ShapeDtypeStruct((programs, p.rows, splits), jnp.float32)],
         compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
                                         compiler=p.config.compiler),
-        interpret=p.implementation == "interpret",
+        interpret=p.interpret,
         name="jattn_flex_decode",
     )(q_rows, k, v, *inputs)
 
@@ -292,15 +293,16 @@ def forward(p: DecodeProblem, q, k, v, kv_len, page_table, lists, score_caps, ma
                    jax.ShapeDtypeStruct((query_rows,), jnp.float32)],
         compiler_params=compiler_params(4 if rows_s * ev_pad <= COMBINE_TILE_PER_4_WARPS else 8,
                                         1, compiler=p.config.compiler),
-        interpret=p.implementation == "interpret",
+        interpret=p.interpret,
         name="jattn_flex_decode_combine",
     )(acc.reshape(query_rows, splits, p.Ev), m.reshape(query_rows, splits),
       l.reshape(query_rows, splits), *bad_inputs)
     return out.reshape(p.B, p.Hq, p.Lq, p.Ev), lse.reshape(p.B, p.Hq, p.Lq)
 
 
-def attention_forward(p: DecodeProblem, q, k, v, masks, score_caps, mask_caps):
+def attention_forward(p: DecodeProblem, q, k, v, lists: MaskLists | None, score_caps,
+                      mask_caps):
     """flex_attention's forward on this kernel (few queries): queries at positions 0..L-1, every
-    key of k/v; masks: the BlockMask fields (kv-major lists used). (out, lse) as forward."""
-    lists = kv_lists(masks) if p.has_mask else []
+    key of k/v; lists: the BlockMask's (None: no mask). (out, lse) as forward."""
+    lists = lists.major("kv") if p.has_mask else []
     return forward(p, q, k, v, None, None, lists, score_caps, mask_caps)

@@ -1,0 +1,27 @@
+"""The torch bridge's one internal entry point: what interop/ needs beyond jattn's public API.
+
+interop imports jattn's public names and this module, nothing else under jattn._src, so the
+internals can move without breaking the bridge.
+"""
+
+from __future__ import annotations
+
+from jattn._src import backends
+from jattn._src.attention.api import flex_attention_backward
+from jattn._src.decoding.paged import check_pool_sizes
+from jattn._src.kernel_launch import single_kernel_launch
+
+__all__ = ["check_pool_sizes", "flex_attention_backward", "launches_directly", "resolve",
+           "single_kernel_launch"]
+
+
+def resolve(op: str, implementation: str | None, *, on_cuda: bool) -> str:
+    """The implementation of an `op` call on CUDA tensors (on_cuda) or CPU ones: jattn's own
+    choice for that platform, $JATTN_IMPLEMENTATION included; a named one must run there."""
+    return backends.resolve(op, implementation, platform="gpu" if on_cuda else "cpu").name
+
+
+def launches_directly(implementation: str) -> bool:
+    """Whether the implementation's forward is one compiled kernel the torch ops may launch
+    without JAX's dispatch."""
+    return backends.BACKENDS[implementation].direct_launch

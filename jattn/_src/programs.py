@@ -1,0 +1,87 @@
+"""Compiled programs reused across calls, so that an eager call neither traces nor compiles twice.
+
+An op's program is keyed on everything it depends on besides its array arguments: shapes,
+dtypes, static options, the implementation and its config, and each traced user function's
+`TracedFunction.key` (a changed Python scalar in a mod changes its jaxpr, so it gets a program
+of its own; new values of captured arrays are arguments and reuse it). The cache is a bounded
+LRU: an evicted program's executables are freed with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar
+
+import jax
+
+from jattn._src.user_functions import TracedFunction
+
+Program = TypeVar("Program")
+
+# Distinct programs kept per op: a model calls an op at a handful of shapes and mods.
+MAX_PROGRAMS = 256
+
+
+class ProgramCache(Generic[Program]):
+    """key -> program; the least recently used beyond `maxsize` are dropped. Thread-safe: two
+    threads that make the same program both get the one stored first."""
+
+    def __init__(self, maxsize: int = MAX_PROGRAMS):
+        self._programs: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
+        self._maxsize = maxsize
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> Program | None:
+        with self._lock:
+            program = self._programs.get(key)
+            if program is not None:
+                self._programs.move_to_end(key)
+            return program
+
+    def put(self, key: Hashable, program: Program) -> Program:
+        """Stores `program` unless one is stored under `key` already; returns the stored one."""
+        with self._lock:
+            program = self._programs.setdefault(key, program)
+            self._programs.move_to_end(key)
+            while len(self._programs) > self._maxsize:
+                self._programs.popitem(last=False)
+            return program
+
+    def __len__(self) -> int:
+        return len(self._programs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._programs.clear()
+
+
+def static_key(options: Any) -> tuple:
+    """A static-options dataclass as a key: its fields, each traced user function by what it
+    computes (`TracedFunction.key`) rather than by identity."""
+    return tuple(value.key if isinstance(value, TracedFunction) else value
+                 for value in (getattr(options, f.name) for f in dataclasses.fields(options)))
+
+
+def _without_captures(options: Any) -> Any:
+    return dataclasses.replace(options, **{
+        f.name: getattr(options, f.name).without_captures() for f in dataclasses.fields(options)
+        if isinstance(getattr(options, f.name), TracedFunction)})
+
+
+_JITTED: ProgramCache[Callable[..., Any]] = ProgramCache()
+
+
+def jitted(fn: Callable[..., Any], options: Any, *static: Hashable) -> Callable[..., Any]:
+    """jax.jit(partial(fn, options, *static)), made once per (fn, static_key(options), static):
+    an eager call with options equal in everything but the user functions' captured arrays
+    (which are fn's arguments) reuses the compiled program."""
+    key = (fn, static_key(options), static)
+    program = _JITTED.get(key)
+    if program is None:
+        program = _JITTED.put(key, jax.jit(functools.partial(fn, _without_captures(options),
+                                                             *static)))
+    return program

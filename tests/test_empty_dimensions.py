@@ -1,0 +1,63 @@
+"""Empty dimensions give empty results (or zeros where nothing is summed) on every
+implementation alike, and their gradients are zeros of the inputs' shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from tests.helpers import IMPLEMENTATIONS
+
+
+def _ones(*shape):
+    return jnp.ones(shape, jnp.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("B, L, S", [(0, 32, 32), (1, 0, 32), (1, 32, 0)])
+def test_flex_attention(impl, B, L, S):
+    q, k, v = _ones(B, 2, L, 16), _ones(B, 2, S, 16), _ones(B, 2, S, 8)
+    out, lse = jattn.flex_attention(q, k, v, lambda s, *_: s * 2, return_lse=True,
+                                    implementation=impl)
+    assert out.shape == (B, 2, L, 8) and lse.shape == (B, 2, L)
+    np.testing.assert_array_equal(out, 0)
+    assert np.isneginf(lse).all()
+    grads = jax.grad(lambda q, k, v: jattn.flex_attention(q, k, v, implementation=impl).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    for grad, x in zip(grads, (q, k, v)):
+        assert grad.shape == x.shape and not np.asarray(grad).any()
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("B, Lq, S", [(0, 1, 32), (2, 0, 32), (2, 1, 0)])
+def test_flex_decode(impl, B, Lq, S):
+    out = jattn.flex_decode(_ones(B, 4, Lq, 16), _ones(B, 2, S, 16), _ones(B, 2, S, 16),
+                            implementation=impl)
+    assert out.shape == (B, 4, Lq, 16)
+    np.testing.assert_array_equal(out, 0)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("M, K, N", [(0, 32, 16), (16, 0, 16), (16, 32, 0)])
+def test_gemms(impl, M, K, N):
+    a, b, bias = _ones(M, K), _ones(K, N), jnp.full((N,), 2.0)
+    out = jattn.matmul(a, b, bias=bias, epilogue=jnp.tanh, implementation=impl)
+    np.testing.assert_array_equal(out, jnp.broadcast_to(jnp.tanh(bias), (M, N)))
+    out = jattn.mm_plus_mm(a, b, a, b, implementation=impl)
+    np.testing.assert_array_equal(out, jnp.zeros((M, N)))
+    out = jattn.bmm(a[None], b[None], implementation=impl)
+    np.testing.assert_array_equal(out, jnp.zeros((1, M, N)))
+    grads = jax.grad(lambda a, b: jattn.matmul(a, b, implementation=impl).sum(),
+                     argnums=(0, 1))(a, b)
+    assert [g.shape for g in grads] == [a.shape, b.shape]
+
+
+def test_huge_block_size_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"block_size \(1048576, 1048576\) is larger than "
+                                         r"Q_LEN=64 needs \(at most 128"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=2**20)
+    with pytest.raises(ValueError, match="larger than KV_LEN=300 needs .at most 512"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 300,
+                                block_size=(64, 1024))
+    jattn.create_block_mask(jattn.masks.causal_mask, None, None, 10, 300, block_size=(128, 512))
