@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test bench-matmul
+.PHONY: demo test bench-matmul memcheck
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,3 +22,11 @@ test: $(VENV)/.installed
 # On a GPU machine with jax, torch and pytest already installed (no venv):
 bench-matmul:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.bench_matmul
+
+# On a GPU machine: every kernel family at small ragged shapes under compute-sanitizer's
+# memcheck (a few minutes). The platform allocator gives each buffer its own allocation, so an
+# access past an end is caught rather than landing in a neighbour inside XLA's pool.
+SANITIZER ?= compute-sanitizer
+memcheck:
+	XLA_PYTHON_CLIENT_ALLOCATOR=platform PYTHONPATH=$(CURDIR) $(SANITIZER) --tool memcheck \
+	  --error-exitcode 1 $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider tests/memcheck

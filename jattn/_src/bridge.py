@@ -18,7 +18,13 @@ __all__ = ["check_pool_sizes", "flex_attention_backward", "launches_directly", "
 def resolve(op: str, implementation: str | None, *, on_cuda: bool) -> str:
     """The implementation of an `op` call on CUDA tensors (on_cuda) or CPU ones: jattn's own
     choice for that platform, $JATTN_IMPLEMENTATION included; a named one must run there."""
-    return backends.resolve(op, implementation, platform="gpu" if on_cuda else "cpu").name
+    try:
+        return backends.resolve(op, implementation, platform="gpu" if on_cuda else "cpu").name
+    except ValueError as error:
+        if on_cuda or implementation is None:
+            raise
+        raise ValueError(f"{error} Here the tensors are on the CPU: an implementation that "
+                         "runs on CUDA tensors needs them moved with .cuda().") from None
 
 
 def launches_directly(implementation: str) -> bool:

@@ -254,7 +254,7 @@ def test_bad_input_raises():
         jt.b2b_matmul(a, b, torch.randn(4, 8), side="middle")
     with pytest.raises(TypeError, match="float64"):
         jt.mm_plus_mm(a.double(), b, c, d)
-    with pytest.raises(ValueError, match="implementation='pallas_triton' runs on CUDA tensors"):
+    with pytest.raises(ValueError, match="implementation='pallas_triton' cannot run this call.*runs on CUDA tensors needs them moved with .cuda()"):
         jt.mm_plus_mm(a, b, c, d, implementation="pallas_triton")
 
     fa, fb = (torch.randn(shape).to(torch.float8_e4m3fn) for shape in ((8, 16), (16, 4)))

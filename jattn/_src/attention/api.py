@@ -291,9 +291,9 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     key = (q.shape, k.shape, v.shape, q.dtype, scale, implementation, config, dense,
            block_mask.block_size, block_mask.shape, lists.has_full,
            *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
-    found = len(score_set.captures), len(mask_set.captures)
-
-    def make() -> _Program:
+    program = _PROGRAMS.get(key)
+    if program is None:
+        found = len(score_set.captures), len(mask_set.captures)
         problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                           mask_block=block_mask.block_size, scale=scale,
@@ -302,11 +302,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, dense=dense, config=config)
-        return _Program.make(_without_captures(problem))
-
-    program = _PROGRAMS.get(key)
-    if program is None:
-        program = make()
+        program = _Program.make(_without_captures(problem))
         if (len(score_set.captures), len(mask_set.captures)) == found:
             program = _PROGRAMS.put(key, program)
         # else the mods captured arrays at the kernels' tiles that they did not at the XLA

@@ -1,0 +1,82 @@
+"""Every GPU kernel family once, at small ragged shapes, against the XLA implementation: the
+subset that runs under compute-sanitizer's memcheck (see `make memcheck`), where each buffer
+is its own allocation (XLA_PYTHON_CLIENT_ALLOCATOR=platform) so an overrun is caught.
+
+Lengths and head dims are not tile multiples, heads are grouped (GQA), the decode cache is
+paged, and a GEMM splits K: the tails are where an unmasked access would read or write past
+an end.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from tests.decoding.test_paged import _cache_like as cache_like
+from tests.helpers import random
+
+pytestmark = pytest.mark.gpu
+GPU = "pallas_triton"
+
+
+def _close(got, expected, tolerance=2e-2):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("L, S, E, Ev", [(77, 93, 40, 24), (5, 200, 64, 64)])
+def test_flex_attention_forward_backward(L, S, E, Ev):
+    rng = np.random.default_rng(0)
+    q, k, v = (random(rng, shape, jnp.bfloat16) for shape in
+               ((2, 4, L, E), (2, 2, S, E), (2, 2, S, Ev)))
+    bias = random(rng, (4,))
+    mask = jattn.create_block_mask(lambda b, h, qi, ki: ki <= qi + (S - L), None, None, L, S,
+                                   block_size=32)
+
+    def loss(impl, q, k, v, bias):
+        out = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + bias[h], mask,
+                                   enable_gqa=True, implementation=impl)
+        return out.astype(jnp.float32).sum(), out
+
+    grads = {impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2, 3),
+                            has_aux=True)(q, k, v, bias) for impl in (GPU, "xla")}
+    for got, expected in zip(jax.tree.leaves(grads[GPU]), jax.tree.leaves(grads["xla"])):
+        _close(got, expected, 5e-2)
+
+
+def test_flex_decode_paged_and_contiguous():
+    rng = np.random.default_rng(1)
+    B, Hq, Hkv, S, E = 3, 8, 2, 96, 40
+    q = random(rng, (B, Hq, 2, E), jnp.bfloat16)
+    k, v = (random(rng, (B, Hkv, S, E), jnp.bfloat16) for _ in range(2))
+    kv_len = jnp.array([96, 41, 2])
+    expected = jattn.flex_decode(q, k, v, kv_len=kv_len, implementation="xla")
+    _close(jattn.flex_decode(q, k, v, kv_len=kv_len, implementation=GPU), expected)
+    cache = cache_like(rng, k, v, [96, 41, 2], num_pages=20)
+    _close(jattn.flex_decode(q, cache, None, kv_len=kv_len, implementation=GPU), expected)
+
+
+def test_gemm_family():
+    rng = np.random.default_rng(2)
+    a, b = random(rng, (70, 200), jnp.bfloat16), random(rng, (200, 90), jnp.bfloat16)
+    split = jattn.MatmulConfig(block_m=32, block_n=32, block_k=32, split_k=4)
+    for config in (None, split):
+        _close(jattn.matmul(a, b, config=config, implementation=GPU),
+               jattn.matmul(a, b, implementation="xla"))
+    c, d = random(rng, (70, 40), jnp.bfloat16), random(rng, (40, 90), jnp.bfloat16)
+    _close(jattn.mm_plus_mm(a, b, c, d, implementation=GPU),
+           jattn.mm_plus_mm(a, b, c, d, implementation="xla"))
+    e = random(rng, (90, 30), jnp.bfloat16)
+    _close(jattn.b2b_matmul(a, b, e, implementation=GPU),
+           jattn.b2b_matmul(a, b, e, implementation="xla"), 5e-2)
+    qweight, scales = jattn.quantize_weight(random(rng, (192, 90)), bits=4, group_size=64)
+    mixed = functools.partial(jattn.mixed_matmul, a[:, :192], qweight, scales, bits=4,
+                              group_size=64)
+    _close(mixed(implementation=GPU), mixed(implementation="xla"))
+    a8, b8 = (x.astype(jnp.float8_e4m3fn) for x in (a, b))
+    one = jnp.ones((), jnp.float32)
+    _close(jattn.scaled_matmul(a8, b8, one, one, implementation=GPU),
+           jattn.scaled_matmul(a8, b8, one, one, implementation="xla"))
