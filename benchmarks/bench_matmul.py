@@ -23,6 +23,7 @@ import numpy as np
 import jattn
 from benchmarks import shapes
 from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
+from jattn._src import backends
 from jattn._src.gemm.api import choose_config
 
 
@@ -49,7 +50,8 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool)
             for shape in ((m, k), (k, n), (n,))]
     # Distinct copies (scaled) so that no two calls see the same inputs.
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
-    config = choose_config("autotune" if tune else None, m, n, k, jnp.bfloat16)
+    config = choose_config("matmul", backends.resolve("matmul", "pallas_triton"),
+                           "autotune" if tune else None, m, n, k, jnp.bfloat16)
     if epilogue:
         ours = jax.jit(lambda a, b, bias: jattn.matmul(a, b, bias=bias, epilogue=_gelu,
                                                        config=config))

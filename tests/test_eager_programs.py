@@ -10,6 +10,7 @@ import pytest
 
 import jattn
 from jattn._src.attention import xla as attention_xla
+from jattn._src.hardware import has_cuda
 from tests.helpers import random
 
 L, E = 256, 16
@@ -116,9 +117,11 @@ def test_decode_and_matmul_eager_calls_reuse_programs(compiles):
     rng = np.random.default_rng(0)
     q, k, v = (random(rng, (2, 4, n, E)) for n in (1, L, L))
     a, b = random(rng, (64, 32)), random(rng, (32, 48))
-    for implementation in ("xla", "interpret"):
-        jattn.flex_decode(q, k, v, kv_len=jnp.array([100, 200]), implementation=implementation)
-        jattn.matmul(a, b, implementation=implementation)
+    for _ in range(2):  # (jax 0.11's first Pallas interpreter call changes its trace context)
+        for implementation in ("xla", "interpret"):
+            jattn.flex_decode(q, k, v, kv_len=jnp.array([100, 200]),
+                              implementation=implementation)
+            jattn.matmul(a, b, implementation=implementation)
     compiled = len(compiles)
     for implementation in ("xla", "interpret"):
         out = jattn.flex_decode(q, k, v, kv_len=jnp.array([10, 20]),
@@ -126,7 +129,8 @@ def test_decode_and_matmul_eager_calls_reuse_programs(compiles):
         jattn.matmul(a, b, implementation=implementation)
     assert len(compiles) == compiled
     expected = jattn.flex_attention(q, k[:, :, :10], v[:, :, :10], implementation="xla")
-    np.testing.assert_allclose(out[:1], expected[:1], rtol=2e-5, atol=2e-5)
+    tolerance = 5e-3 if has_cuda() else 2e-5  # float32 products are TF32 on the GPU
+    np.testing.assert_allclose(out[:1], expected[:1], rtol=tolerance, atol=tolerance)
 
 
 def _rss_mib() -> float:

@@ -7,6 +7,8 @@ used on another.
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import pathlib
@@ -22,20 +24,33 @@ def cache_path() -> pathlib.Path:
 
 
 def _read() -> dict[str, dict[str, Any]]:
+    """The file's contents, parsed again only when it changed (a call that looks up its
+    config must not pay for reading the file)."""
+    path = cache_path()
     try:
-        return json.loads(cache_path().read_text())
+        stat = path.stat()
+    except FileNotFoundError:
+        return {}
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, Any]]:
+    try:
+        return json.loads(pathlib.Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 
 
 def lookup(op: str, key: str) -> dict[str, Any] | None:
-    """The cached entry of `op` under `key`, or None."""
-    return _read().get(op, {}).get(key)
+    """The cached entry of `op` under `key` (a copy), or None."""
+    entry = _read().get(op, {}).get(key)
+    return None if entry is None else dict(entry)
 
 
 def store(op: str, key: str, entry: dict[str, Any]) -> None:
     """Records an entry; the file is replaced atomically so concurrent readers never see half."""
-    data = _read()
+    data = copy.deepcopy(_read())
     data.setdefault(op, {})[key] = entry
     path = cache_path()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,9 @@
+"""python -m tests.memcheck: the kernel subset run without pytest, as `make memcheck` runs it
+under compute-sanitizer (which crashes in pytest's start-up on the GPU machine)."""
+
+from tests.memcheck import test_kernels_small as kernels
+
+for name in sorted(vars(kernels)):
+    if name.startswith("test_"):
+        getattr(kernels, name)()
+        print(f"{name}: ok", flush=True)
