@@ -183,7 +183,8 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
                config):
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
     kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
-    backward. config: an AttentionConfig as `encode_config` writes it, or None."""
+    backward. config: an AttentionConfig and a precision as `encode_config` writes them, or
+    None."""
     score, mask = translated_mods(mods)
     n_score = 0 if score is None else score.n_captures
 
@@ -192,24 +193,31 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
         mask_mod = None if mask is None else mask.bind(capture_arrays[n_score:])
         block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
                                       kv_only=kv_only)
+        attention_config, precision = decode_config(config)
         return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
-                  implementation=implementation, config=decode_config(config), **kwargs)
+                  implementation=implementation, config=attention_config, precision=precision,
+                  **kwargs)
     return call
 
 
-def encode_config(config: jattn.AttentionConfig | None) -> str | None:
-    """An AttentionConfig as an op argument (a string: ops take no dataclasses)."""
-    if config is None:
-        return None
-    return ",".join(f"{k}={v}" for k, v in dataclasses.asdict(config).items())
+def encode_config(config: jattn.AttentionConfig | None, precision: str | None) -> str | None:
+    """An AttentionConfig and a float32 precision as an op argument (a string: ops take no
+    dataclasses); None when both are None."""
+    items = {} if config is None else dataclasses.asdict(config)
+    if precision is not None:
+        items["precision"] = precision
+    return ",".join(f"{k}={v}" for k, v in items.items()) or None
 
 
-def decode_config(text: str | None) -> jattn.AttentionConfig | None:
+def decode_config(text: str | None) -> tuple[jattn.AttentionConfig | None, str | None]:
+    """(config, precision) of `encode_config`'s string."""
     if text is None:
-        return None
+        return None, None
     fields = dict(item.split("=") for item in text.split(","))
-    return jattn.AttentionConfig(**{k: v if k == "compiler" else int(v)
-                                    for k, v in fields.items()})
+    precision = fields.pop("precision", None)
+    config = jattn.AttentionConfig(**{k: v if k == "compiler" else int(v)
+                                      for k, v in fields.items()}) if fields else None
+    return config, precision
 
 
 _FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation",

@@ -210,12 +210,22 @@ _KERNEL_OPTIONS = {"BLOCK_M": ("block_q",), "BLOCK_N": ("block_k",),
                    "fwd_BLOCK_M": ("block_q",), "fwd_BLOCK_N": ("block_k",)}
 
 
-def _config(kernel_options) -> str | None:
-    """The AttentionConfig that torch's kernel_options ask for (its other fields at
-    AttentionConfig's defaults), encoded for the op; None when no key maps to one. Keys without
-    a jattn counterpart (PRESCALE_QK, BACKEND, USE_TMA, ...) are ignored."""
-    if kernel_options is None:
+def _float32_precision(dtype: torch.dtype) -> str | None:
+    """torch's float32 products for flex_attention: full float32 unless torch allows TF32
+    (torch.backends.cuda.matmul.allow_tf32), as its own kernels do; None for other dtypes."""
+    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
         return None
+    return "highest"
+
+
+def _config(kernel_options, dtype: torch.dtype) -> str | None:
+    """The AttentionConfig that torch's kernel_options ask for (its other fields at
+    AttentionConfig's defaults) and torch's float32 precision for `dtype`, encoded for the op;
+    None when neither applies. Keys without a jattn counterpart (PRESCALE_QK, BACKEND, USE_TMA,
+    ...) are ignored."""
+    precision = _float32_precision(dtype)
+    if kernel_options is None:
+        return _ops.encode_config(None, precision)
     if not isinstance(kernel_options, dict):
         raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
                         f"{type(kernel_options).__name__}.")
@@ -231,9 +241,9 @@ def _config(kernel_options) -> str | None:
                     "kernels share one backward tile; give them the same value.")
             fields[name], sources[name] = value, key
     if not fields:
-        return None
+        return _ops.encode_config(None, precision)
     try:
-        return _ops.encode_config(jattn.AttentionConfig(**fields))
+        return _ops.encode_config(jattn.AttentionConfig(**fields), precision)
     except (TypeError, ValueError) as error:
         raise ValueError(f"flex_attention: kernel_options {kernel_options} give an invalid "
                          f"jattn config: {error}") from None
@@ -281,8 +291,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     package is launched on torch's current stream without going through JAX (README).
     """
     want_lse = _lse_request(return_lse, return_aux)
-    config = _config(kernel_options)
     original, dtype = query, _compute_dtype(query)
+    config = _config(kernel_options, dtype)
     query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
                          else x for x in (query, key, value))
     L, S = query.shape[-2], key.shape[-2]

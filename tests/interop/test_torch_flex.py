@@ -367,3 +367,25 @@ def test_tensors_the_kernel_cannot_take_in_place_go_through_jax(monkeypatch):
     for odd in (strided, shifted):
         assert torch.equal(jt.flex_attention(odd, k, v, enable_gqa=True), expected)
     assert len(calls) == 2
+
+
+@pytest.mark.gpu
+def test_float32_follows_torchs_tf32_flag():
+    """float32 on CUDA: full float32 products unless torch.backends.cuda.matmul.allow_tf32,
+    as torch's own flex_attention (here its eager path, which runs torch matmuls)."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda", generator=generator)
+               for _ in range(3))
+    flag = torch.backends.cuda.matmul.allow_tf32
+    try:
+        errors = {}
+        for allow_tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = False
+            expected = torch_flex(q.double(), k.double(), v.double()).float()
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            errors[allow_tf32] = (jt.flex_attention(q, k, v) - expected).abs().max().item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+    assert errors[False] < 2e-6 < errors[True]

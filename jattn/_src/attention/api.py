@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jattn._src import backends
+from jattn._src import backends, precision
 from jattn._src.attention import pallas_triton, xla
 from jattn._src.attention.common import (Problem, checked_mask_mod, checked_score_mod,
                                          trace_mods, without_captures)
@@ -128,7 +128,8 @@ class Residuals(NamedTuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flex(p: Problem, q, k, v, lists, score_caps, mask_caps):
-    return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
+    with precision.applied(p.precision):
+        return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
 
 
 def _flex_fwd(p: Problem, q, k, v, lists, score_caps, mask_caps):
@@ -136,7 +137,8 @@ def _flex_fwd(p: Problem, q, k, v, lists, score_caps, mask_caps):
     differentiated = tuple(c.perturbed for c in score_caps)
     q, k, v, lists, score_caps, mask_caps = custom_vjp_primal_tree_values(
         (q, k, v, lists, score_caps, mask_caps))
-    out, lse = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
+    with precision.applied(p.precision):
+        out, lse = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
     return (out, lse), Residuals(q, k, v, lists, score_caps, mask_caps, out, lse,
                                  differentiated)
 
@@ -149,8 +151,9 @@ def _dense_zeros(cotangent):
 
 def _flex_bwd(p: Problem, res: Residuals, cotangents):
     d_out, d_lse = (_dense_zeros(c) for c in cotangents)
-    dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
-                                                          d_lse.astype(jnp.float32))
+    with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
+        dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
+                                                              d_lse.astype(jnp.float32))
     return dq, dk, dv, None, tuple(d_caps), None
 
 
@@ -188,7 +191,7 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None, *,
                    scale: float | None = None, enable_gqa: bool = False,
                    return_lse: bool = False, config: AttentionConfig | None = None,
-                   implementation: str | None = None):
+                   implementation: str | None = None, precision: str | None = None):
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
@@ -204,6 +207,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       config: an AttentionConfig for the kernels (None: heuristic; the XLA implementation has
         no tunables and ignores it). implementation: "pallas_triton", "xla" or "interpret"
         (default: $JATTN_IMPLEMENTATION, else by platform; `jattn.explain` says which and why).
+      precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
+        caller's setting (JAX's default: TF32 on the GPU), "highest" gives full float32 products
+        in the kernels and XLA alike (torch's flex_attention default). No effect on bf16/fp16.
 
     Returns:
       out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L]. A query
@@ -222,14 +228,15 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         out, lse = empty
     else:
         program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
-                                                         enable_gqa, config, implementation)
+                                                         enable_gqa, config, implementation,
+                                                         precision)
         out, lse = program.forward(q, k, v, lists, score_caps, mask_caps)
     return (out, lse) if return_lse else out
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
                             captures=(), scale=None, enable_gqa=False, config=None,
-                            implementation=None):
+                            implementation=None, precision=None):
     """Gradients of `flex_attention(q, k, v, score_mod, block_mask, return_lse=True)` from its
     saved outputs (out, lse) and their cotangents, without running the forward again — the same
     backward `jax.vjp` runs, from the same cached program. (The torch ops' entry point: their
@@ -239,7 +246,8 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     gradient if score_mod closes over it and it is floating point, else None.
     """
     program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
-                                                     enable_gqa, config, implementation)
+                                                     enable_gqa, config, implementation,
+                                                     precision)
     dq, dk, dv, _, d_score_caps, _ = program.backward(q, k, v, lists, score_caps, mask_caps,
                                                       out, lse, d_out, d_lse)
     by_id = {id(c): d for c, d in zip(score_caps, d_score_caps)}
@@ -262,7 +270,8 @@ def _empty_result(q, k, v, score_mod, block_mask, enable_gqa):
             jnp.full((B, Hq, L), -jnp.inf, jnp.float32))
 
 
-def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation):
+def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
+             precision_name):
     """Validation, then the call's program: (program, mask lists, score_mod's and mask_mod's
     captured arrays). The mods are traced at the XLA block; those traces (with the shapes and
     options) key the program, so a cached program is found without tracing the kernels' tiles.
@@ -280,6 +289,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
+    precision_name = precision.canonical("flex_attention", precision_name)
 
     score_mod = None if score_mod is None else checked_score_mod(score_mod)
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod)
@@ -288,8 +298,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
                           with_vjp=False)
     lists = block_mask.lists()
-    key = (q.shape, k.shape, v.shape, q.dtype, scale, implementation, config, dense,
-           block_mask.block_size, block_mask.shape, lists.has_full,
+    key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
+           dense, block_mask.block_size, block_mask.shape, lists.has_full,
            *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
     program = _PROGRAMS.get(key)
     if program is None:
@@ -297,7 +307,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                           mask_block=block_mask.block_size, scale=scale,
-                          implementation=implementation, config=None, fwd=xla_mods,
+                          precision=precision_name, implementation=implementation, config=None, fwd=xla_mods,
                           bwd=xla_mods, dkdv=xla_mods, xla=xla_mods)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,

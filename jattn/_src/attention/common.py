@@ -48,6 +48,7 @@ class Problem:
     mask_heads: int
     mask_block: tuple[int, int]
     scale: float
+    precision: str | None  # float32 products (jattn._src.precision); None: the caller's
     implementation: Implementation
     config: AttentionConfig | None
     fwd: Mods          # kernel forward tile, or the XLA block

@@ -17,6 +17,8 @@ from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding import xla
 from jattn._src.decoding.paged import PagedKVCache, concrete
 from jattn._src.masks.block_mask import BlockMask
+from jattn._src.precision import applied as precision_applied
+from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import ProgramCache
 from jattn._src.user_functions import CaptureSet
 
@@ -156,17 +158,18 @@ def _problem_key(p: DecodeProblem) -> tuple:
     return fields + tuple(None if f is None else f.key for f in (p.mods.score, p.mods.mask))
 
 
-def _kernel_program(p: DecodeProblem) -> Callable:
-    """The jitted split-KV decode of p (made once per problem key)."""
-    key = _problem_key(p)
+def _kernel_program(p: DecodeProblem, precision: str | None) -> Callable:
+    """The jitted split-KV decode of p at `precision` (made once per problem key)."""
+    key = (_problem_key(p), precision)
     program = _PROGRAMS.get(key)
     if program is None:
         stripped = dataclasses.replace(p, mods=without_captures(p.mods))
 
         def run(q, k, v, kv_len, table, lists, score_caps, mask_caps, bad):
             q, k, v, score_caps = _no_gradient((q, k, v, score_caps))
-            return pallas_triton_split_kv.forward(stripped, q, k, v, kv_len, table, lists,
-                                                  score_caps, mask_caps, bad=bad)
+            with precision_applied(precision):
+                return pallas_triton_split_kv.forward(stripped, q, k, v, kv_len, table, lists,
+                                                      score_caps, mask_caps, bad=bad)
 
         program = _PROGRAMS.put(key, jax.jit(run))
     return program
@@ -179,7 +182,7 @@ def _kernel_program(p: DecodeProblem) -> Callable:
 def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
                 block_mask: BlockMask | None = None, *, kv_len=None, scale: float | None = None,
                 return_lse: bool = False, config: DecodeConfig | None = None,
-                implementation: str | None = None):
+                implementation: str | None = None, precision: str | None = None):
     """Attention of a few new queries per sequence over a KV cache (decoding), split over keys.
 
         cache positions of sequence b:  0 1 2 ... kv_len[b]-Lq ... kv_len[b]-1 | kv_len[b] ... S-1
@@ -203,6 +206,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
       config: a DecodeConfig (None: heuristic; the split count from the device's SMs).
       implementation: "pallas_triton", "xla" or "interpret" (default: $JATTN_IMPLEMENTATION,
         else by platform; `jattn.explain` says which and why).
+      precision: float32 products, as in flex_attention (None: the caller's setting).
 
     Returns:
       out [B, Hq, Lq, Ev] of q's dtype (and the LSE). A query that attends to nothing (kv_len 0,
@@ -234,6 +238,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
+    precision = canonical_precision("flex_decode", precision)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
 
@@ -245,7 +250,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
         kv_len = jnp.clip(kv_len, 0, S)
         out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
-                               scale=scale, implementation=implementation.name)
+                               scale=scale, implementation=implementation.name,
+                               precision=precision)
         if bad is not None:
             out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
             lse = jnp.where(bad[:, None, None], jnp.nan, lse)
@@ -267,7 +273,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         lists = [] if block_mask is None else block_mask.lists().major("kv")
         # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
         # jit each XLA op here would be a kernel launch of its own per call.
-        out, lse = _kernel_program(problem)(q, k, v, None if static_length else kv_len, table,
+        out, lse = _kernel_program(problem, precision)(q, k, v, None if static_length else kv_len, table,
                                             lists, tuple(score_set.captures),
                                             tuple(mask_set.captures), bad)
     return (out, lse) if return_lse else out

@@ -67,8 +67,8 @@ def decode_score_mod(score_mod: Callable | None, block_mask: BlockMask | None,
 
 
 def forward(q, k, v, score_mod, block_mask, q_start, kv_len, *, scale: float,
-            implementation: str):
+            implementation: str, precision: str | None):
     """(out, lse) of decoding over contiguous k/v [B|1, Hkv, S, E] through flex_attention."""
     return flex_attention(q, k, v, decode_score_mod(score_mod, block_mask, q_start, kv_len),
                           None, scale=scale, enable_gqa=True, return_lse=True,
-                          implementation=implementation)
+                          implementation=implementation, precision=precision)

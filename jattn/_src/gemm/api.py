@@ -17,6 +17,8 @@ from jattn._src import backends, hardware
 from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.precision import applied as precision_applied
+from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import jitted
 from jattn._src.tiling import next_power_of_two
 from jattn._src.tuning import autotune, cache
@@ -227,15 +229,18 @@ class Options:
     out_dtype: jnp.dtype
     epilogue_tile: TracedFunction | None
     epilogue_full: TracedFunction | None
+    precision: str | None = None  # float32 products (jattn._src.precision)
 
     def product(self, a, b, bias=None, captures=(), *, save_preact=False):
-        return _product(self.implementation, self.config, self.out_dtype, a, b, bias, captures,
-                        epilogue_tile=self.epilogue_tile, epilogue_full=self.epilogue_full,
-                        save_preact=save_preact)
+        with precision_applied(self.precision):
+            return _product(self.implementation, self.config, self.out_dtype, a, b, bias,
+                            captures, epilogue_tile=self.epilogue_tile,
+                            epilogue_full=self.epilogue_full, save_preact=save_preact)
 
     def backward_product(self, a, b, out_dtype, **transposes):
         """A plain product of the backward pass, with its own config for its own shape."""
-        return product_for_shape(self.implementation, a, b, out_dtype, **transposes)
+        with precision_applied(self.precision):
+            return product_for_shape(self.implementation, a, b, out_dtype, **transposes)
 
     def preact_cotangent(self, preact, captures, d_out):
         """(d_preact in fp32, d_captures): d_out pulled back through the epilogue."""
@@ -289,8 +294,8 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 # ------------------------------------------------------------------------------------------------
 
 def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
-                 implementation, *, split_k: bool = True, runs: Callable | None = None
-                 ) -> tuple[Options, tuple[Any, ...]]:
+                 implementation, *, split_k: bool = True, runs: Callable | None = None,
+                 precision=None) -> tuple[Options, tuple[Any, ...]]:
     """Validated static options of an [m, k] @ [k, n] product, and the epilogue's captures.
 
     split_k=False (fused variants that cannot split K): a caller's config with split_k > 1 is
@@ -300,6 +305,7 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     _check_bias(op, bias, n)
     out_dtype = _out_dtype(op, out_dtype, dtype)
     _check_config_type(op, config)
+    precision = canonical_precision(op, precision)
     implementation = backends.resolve(op, implementation, dtype=dtype)
     if 0 in (m, n, k):
         implementation = backends.for_empty(op)
@@ -316,14 +322,15 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     captures: Sequence[Any] = ()
     if epilogue is not None:
         epilogue_tile, epilogue_full, captures = _trace_epilogue(op, epilogue, tile, (m, n))
-    options = Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full)
+    options = Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full,
+                      precision)
     return options, tuple(captures)
 
 
 def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
            epilogue: Epilogue | None = None, out_dtype=None,
            config: MatmulConfig | str | None = None,
-           implementation: str | None = None) -> jax.Array:
+           implementation: str | None = None, precision: str | None = None) -> jax.Array:
     """epilogue(a @ b + bias), accumulated in float32, in one kernel.
 
     Args:
@@ -342,6 +349,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         products pick their own configs for their own shapes.
       implementation: "pallas_triton", "xla" or "interpret"; default $JATTN_IMPLEMENTATION, else
         "pallas_triton" on a CUDA GPU and "xla" elsewhere.
+      precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
+        caller's setting (JAX's default: TF32 on the GPU); "highest" gives full float32 products.
 
     Returns:
       [..., M, N] of out_dtype. Differentiable in a, b, bias and captured arrays (custom_vjp:
@@ -352,7 +361,7 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     *lead, k = a.shape
     m, n = math.prod(lead), b.shape[1]
     options, captures = make_options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation)
+                                     config, implementation, precision=precision)
     out = jitted(_matmul, options)(a.reshape(m, k), b, bias, captures)
     return out.reshape(*lead, n)
 
@@ -372,12 +381,12 @@ def _broadcast_batch(fn, a, b, batch_ndim: int):
 def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         epilogue: Epilogue | None = None, out_dtype=None,
         config: MatmulConfig | str | None = None,
-        implementation: str | None = None) -> jax.Array:
+        implementation: str | None = None, precision: str | None = None) -> jax.Array:
     """Batched `matmul`: a [..., M, K] @ b [..., K, N] -> [..., M, N].
 
     Leading (batch) dims broadcast as in numpy; an operand with batch size 1 is shared, not
-    copied. bias [N], epilogue (indices are within each matrix), out_dtype, config and
-    implementation are as in `matmul`.
+    copied. bias [N], epilogue (indices are within each matrix), out_dtype, config,
+    implementation and precision are as in `matmul`.
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     check_operands("bmm", a, b, b_max_ndim=None)
@@ -387,7 +396,7 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
     (m, k), n = a.shape[-2:], b.shape[-1]
     options, captures = make_options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation)
+                                     config, implementation, precision=precision)
     a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
     b = b.reshape((1,) * (len(batch) + 2 - b.ndim) + b.shape)
     program = jitted(_matmul, options)

@@ -13,12 +13,18 @@ from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.api import Epilogue, Options, check_operands, make_options, random_operand
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.precision import applied as precision_applied
 from jattn._src.programs import jitted
 
 _OP = "mm_plus_mm"
 
 
 def _product(options: Options, a, b, c, d, bias, captures, *, save_preact=False):
+    with precision_applied(options.precision):
+        return _unscoped_product(options, a, b, c, d, bias, captures, save_preact=save_preact)
+
+
+def _unscoped_product(options: Options, a, b, c, d, bias, captures, *, save_preact=False):
     if not options.implementation.backend.pallas:
         return xla.mm_plus_mm(a, b, c, d, bias, captures, out_dtype=options.out_dtype,
                               epilogue=options.epilogue_full, save_preact=save_preact)
@@ -67,7 +73,7 @@ _mm_plus_mm.defvjp(_mm_plus_mm_fwd, _mm_plus_mm_bwd)
 def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, *,
                bias: jax.Array | None = None, epilogue: Epilogue | None = None, out_dtype=None,
                config: MatmulConfig | str | None = None,
-               implementation: str | None = None) -> jax.Array:
+               implementation: str | None = None, precision: str | None = None) -> jax.Array:
     """epilogue(a @ b + c @ d + bias), both products in one float32 accumulator, one kernel.
 
     Each program walks a's K1 columns against b, then c's K2 columns against d, into the same
@@ -78,7 +84,7 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, *,
       b: [K1, N], same dtype as `a`.
       c: [..., M, K2], same leading dims and dtype as `a`; K2 may differ from K1.
       d: [K2, N], same dtype as `a`.
-      bias, epilogue, out_dtype, implementation: as in `jattn.matmul`.
+      bias, epilogue, out_dtype, implementation, precision: as in `jattn.matmul`.
       config: as in `jattn.matmul` (a config is chosen for the [M, K1 + K2] @ [K1 + K2, N]
         product), except that split_k must be 1; cached and heuristic configs run unsplit.
 
@@ -114,7 +120,8 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, *,
         return make_run
 
     options, captures = make_options(_OP, m, n, k1 + k2, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation, split_k=False, runs=runs)
+                                     config, implementation, split_k=False, runs=runs,
+                                     precision=precision)
     out = jitted(_mm_plus_mm, options)(a.reshape(m, k1), b, c.reshape(m, k2), d, bias,
                                       captures)
     return out.reshape(*lead, n)
