@@ -1,7 +1,6 @@
 """`precision=`: full float32 products when asked, in the kernels and XLA alike, backward too."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -230,6 +230,24 @@ def test_captured_array_gradients(impl):
         assert_close(g, g64, g_low, what=f"d{name}")
 
 
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas_triton", marks=pytest.mark.gpu)])
+def test_captured_array_gradients_are_bitwise_reproducible(impl):
+    """A relative-position table's gradient sums many score cotangents into each entry (a
+    float scatter-add: atomics in arbitrary order on the GPU); two runs give the same bits."""
+    rng = np.random.default_rng(8)
+    q, k, v = _inputs(rng, 2, 8, 8, 1024, 1024, 64, 64, jnp.bfloat16)
+    table = random(rng, (8, 257))
+    cotangent = random(rng, (2, 8, 1024, 64), jnp.bfloat16)
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 1024, 1024)
+
+    def ours(q, table):
+        return jattn.flex_attention(q, k, v, jattn.mods.relative_position_bias(table), mask,
+                                    implementation=impl)
+
+    grads = jax.jit(lambda q, table: random_cotangent_vjp(ours, (q, table), cotangent))
+    assert_bitwise_equal_runs(lambda: grads(q, table))
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_deterministic_and_transformations(impl):
     rng = np.random.default_rng(8)

@@ -19,9 +19,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.attention.common import Mods, Problem
+from jattn._src import deterministic
 from jattn._src.constants import MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.tiling import cdiv
+
+
+# The pullback of score_mod for gradients of captured arrays: scatter-adds summed in integers,
+# so the gradients are bitwise reproducible on the GPU (benchmarks swap in jax.vjp to time it).
+capture_vjp = deterministic.vjp
 
 
 def specialise(p: Problem, **_) -> Problem:
@@ -178,8 +184,8 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
                 return p.xla.score(with_learnable(values), r, b, h, q_idx, kv)[0]
 
             # Unread scores (maybe NaN from a NaN key) enter the mod's derivative as 0.
-            _, mod_vjp = jax.vjp(mod, jnp.where(read, raw, 0.0),
-                                 [score_captures[i] for i in learnable])
+            _, mod_vjp = capture_vjp(mod, jnp.where(read, raw, 0.0),
+                                     [score_captures[i] for i in learnable])
             ds, d_caps_j = mod_vjp(ds)
             d_caps = jax.tree.map(jnp.add, d_caps, d_caps_j)
         ds = jnp.where(read, ds, 0.0)

@@ -1,0 +1,102 @@
+"""Bitwise-reproducible gradients of captured arrays: scatter-adds summed in integers.
+
+The gradient of a table a mod indexes (`bias[h, kv_idx - q_idx]`) is a scatter-add of the score
+cotangents into the table. XLA runs a float scatter-add with atomics on the GPU, so values that
+land on one entry are summed in whatever order the threads arrive, and two runs differ in the
+last bits. Integer addition does not depend on the order: each cotangent becomes an int64
+fixed-point number (a power-of-two unit chosen so that no sum can overflow: about 2**-39 of the
+largest cotangent at 8M updates), the int64 scatter-add is one atomic per update as the float
+one was, and the sums are converted back to float32. The result is at least as precise as a
+float32 sum of the same values and identical on every run and every platform.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core as jex_core
+
+_TOTAL_BITS = 62  # an int64 sum of fixed-point values stays below 2**62 in magnitude
+
+
+def _fraction_bits(updates: int) -> int:
+    """Fixed-point bits below the largest value such that `updates` of them sum below 2**62."""
+    return _TOTAL_BITS - max(1, math.ceil(math.log2(max(2, updates))))
+
+
+def scatter_add(operand, indices, updates, **params):
+    """lax.scatter_add(operand, indices, updates, **params) for float updates, summed exactly
+    in int64 (see the module docstring). A non-finite update makes the result NaN."""
+    finite = jnp.isfinite(updates)
+    clean = jnp.where(finite, updates, 0).astype(jnp.float32)
+    largest = jnp.max(jnp.abs(clean)) if clean.size else jnp.float32(0)
+    # A power-of-two unit: scaling by it is exact, and every update is at most 2**bits units.
+    exponent = jnp.ceil(jnp.log2(jnp.where(largest > 0, largest, 1.0)))
+    unit_exponent = exponent - _fraction_bits(updates.size)
+    with jax.enable_x64(True):
+        fixed = jnp.round(clean * jnp.exp2(-unit_exponent)).astype(jnp.int64)
+        summed = lax.scatter_add(jnp.zeros(operand.shape, jnp.int64), indices, fixed, **params)
+        total = summed.astype(jnp.float32) * jnp.exp2(unit_exponent).astype(jnp.float32)
+    result = operand + total.astype(operand.dtype)
+    return jnp.where(finite.all(), result, jnp.nan).astype(operand.dtype)
+
+
+def _jaxpr_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
+    # jax 0.11 merged ClosedJaxpr into Jaxpr; 0.10 keeps the consts beside `.jaxpr`.
+    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+
+
+def _evaluate(closed: Any, *args: Any) -> list[Any]:
+    """Evaluates a jaxpr with every float scatter-add (also inside nested jits) summed by
+    `scatter_add`; every other equation binds as usual."""
+    jaxpr, consts = _jaxpr_parts(closed)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(var):
+        return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+    for eqn in jaxpr.eqns:
+        inputs = [read(var) for var in eqn.invars]
+        params = eqn.params
+        if eqn.primitive is lax.scatter_add_p and jnp.issubdtype(eqn.invars[0].aval.dtype,
+                                                                  jnp.floating):
+            outputs = [scatter_add(*inputs, dimension_numbers=params["dimension_numbers"],
+                                   indices_are_sorted=params["indices_are_sorted"],
+                                   unique_indices=params["unique_indices"],
+                                   mode=params["mode"])]
+        elif eqn.primitive.name in ("pjit", "jit"):
+            outputs = _evaluate(params["jaxpr"], *inputs)
+        else:
+            bind_params, subfunctions = eqn.primitive.get_bind_params(params), ()
+            if isinstance(bind_params, tuple):  # older jax: (subfunctions, params)
+                subfunctions, bind_params = bind_params
+            outputs = eqn.primitive.bind(*subfunctions, *inputs, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outputs = [outputs]
+        env.update(zip(eqn.outvars, outputs))
+    return [read(var) for var in jaxpr.outvars]
+
+
+def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """jax.vjp(fn, *primals) whose pullback sums scatter-adds in integers."""
+    out, pullback = jax.vjp(fn, *primals)
+
+    def deterministic_pullback(cotangent):
+        leaves, tree = jax.tree.flatten(cotangent)
+        out_tree = []
+
+        def flat_pullback(*leaves):
+            result, structure = jax.tree.flatten(pullback(tree.unflatten(leaves)))
+            out_tree.append(structure)
+            return result
+
+        closed = jax.make_jaxpr(flat_pullback)(*leaves)
+        return out_tree[0].unflatten(_evaluate(closed, *leaves))
+
+    return out, deterministic_pullback
