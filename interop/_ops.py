@@ -149,8 +149,7 @@ def translated_mods(key: str) -> tuple[TranslatedMod | None, TranslatedMod | Non
 
 
 # Order of a BlockMask's lists among an op's mask tensors: partial lists, then full ones if any.
-MASK_FIELDS = ("kv_num_blocks", "kv_indices", "q_num_blocks", "q_indices",
-               "full_kv_num_blocks", "full_kv_indices", "full_q_num_blocks", "full_q_indices")
+MASK_FIELDS = bridge.MaskLists._fields  # jattn's one flattening of a BlockMask
 
 
 # Positions of the kv-major lists in MASK_FIELDS (partial, then full): all a forward reads.

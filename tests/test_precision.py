@@ -36,6 +36,8 @@ def test_every_op_takes_precision(impl):
         jattn.matmul(q[0, 0], k[0, 0].T, precision=precision, implementation=impl)
         jattn.mm_plus_mm(q[0, 0], k[0, 0].T, v[0, 0], q[0, 0].T, precision=precision,
                          implementation=impl)
+        jattn.b2b_matmul(q[0, 0], k[0, 0].T, v[0, 0], precision=precision,
+                         implementation=impl)
 
 
 @pytest.mark.gpu

@@ -23,6 +23,8 @@ from jattn._src.gemm import pallas_triton_b2b, xla
 from jattn._src.gemm.api import check_operands, matmul, product_for_shape
 from jattn._src.gemm.config import (B2B_MAX_HELD, B2BConfig, b2b_held_width,
                                     heuristic_b2b_config)
+from jattn._src.precision import applied as precision_applied
+from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import jitted
 from jattn._src.user_functions import TracedFunction, trace_with_captures
 
@@ -44,16 +46,19 @@ class _Options:
     config: B2BConfig | None
     fn_tile: TracedFunction | None
     fn_full: TracedFunction | None
+    precision: str | None  # float32 products (jattn._src.precision)
 
     def product(self, a, b, c, captures):
-        if not self.implementation.backend.pallas:
-            return xla.b2b(a, b, c, captures, side=self.side, fn=self.fn_full)
-        return pallas_triton_b2b.b2b(a, b, c, captures, side=self.side, config=self.config,
-                                     fn=self.fn_tile,
-                                     interpret=self.implementation.backend.interpret)
+        with precision_applied(self.precision):
+            if not self.implementation.backend.pallas:
+                return xla.b2b(a, b, c, captures, side=self.side, fn=self.fn_full)
+            return pallas_triton_b2b.b2b(a, b, c, captures, side=self.side, config=self.config,
+                                         fn=self.fn_tile,
+                                         interpret=self.implementation.backend.interpret)
 
     def plain(self, x, y, out_dtype, **transposes):
-        return product_for_shape(self.implementation, x, y, out_dtype, **transposes)
+        with precision_applied(self.precision):
+            return product_for_shape(self.implementation, x, y, out_dtype, **transposes)
 
 
 class _Residuals(NamedTuple):
@@ -121,7 +126,8 @@ def _trace_fn(fn: Callable[[jax.Array], jax.Array], *shapes: tuple[int, int]):
 
 def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
                fn: Callable[[jax.Array], jax.Array] | None = None, *, side: str = "left",
-               config: B2BConfig | None = None, implementation: str | None = None) -> jax.Array:
+               config: B2BConfig | None = None, implementation: str | None = None,
+               precision: str | None = None) -> jax.Array:
     """Back-to-back GEMM: fn(a @ b) @ c (side="left") or a @ fn(b @ c) (side="right").
 
     The intermediate (a @ b, or b @ c) is accumulated in float32, passed through fn, rounded to
@@ -140,7 +146,7 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
       config: a B2BConfig (used as given) or None (heuristic). The kernel runs when the output
         side a program holds whole (N for "left", M for "right") is <= 256; otherwise the op
         runs as two `jattn.matmul` calls with their own configs, and a config given is an error.
-      implementation: "pallas_triton", "xla" or "interpret", as in `jattn.matmul`.
+      implementation, precision: as in `jattn.matmul`.
 
     Returns:
       [..., M, N] of the input dtype. Differentiable in a, b, c and captured arrays (custom_vjp
@@ -161,6 +167,7 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     for x, y, names in pairs if side == "left" else pairs[::-1]:
         check_operands(_OP, x, y, b_max_ndim=None, names=names)
     implementation = backends.resolve(_OP, implementation, dtype=a.dtype)
+    precision = canonical_precision(_OP, precision)
     if 0 in (*a.shape, *b.shape, *c.shape):
         implementation = backends.for_empty(_OP)
 
@@ -181,11 +188,9 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
                 "config=None to run as two jattn.matmul calls.")
         if fn is not None:
             _trace_fn(fn, full)  # the same checks and errors as the kernel path
-        name = implementation.name
-        first = matmul(a, b, epilogue=fn, implementation=name) if left else matmul(
-            b, c, epilogue=fn, implementation=name)
-        out = matmul(first, c, implementation=name) if left else matmul(
-            a, first, implementation=name)
+        two = functools.partial(matmul, implementation=implementation.name, precision=precision)
+        first = two(a, b, epilogue=fn) if left else two(b, c, epilogue=fn)
+        out = two(first, c) if left else two(a, first)
         return out.reshape(*lead, n)
 
     if not implementation.backend.pallas:
@@ -199,5 +204,5 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     if fn is not None:
         traced, captures = _trace_fn(fn, full, *([tile] if tile else []))
         fn_full, fn_tile = traced[0], (traced[1] if tile else None)
-    options = _Options(implementation, side, resolved, fn_tile, fn_full)
+    options = _Options(implementation, side, resolved, fn_tile, fn_full, precision)
     return jitted(_b2b, options)(a, b, c, captures).reshape(*lead, n)
