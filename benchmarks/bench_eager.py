@@ -22,25 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from benchmarks.process import CompileCounter, rss_mib
 
 RATIO_TARGET = 1.5
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-class _CompileCounter:
-    """Counts XLA backend compilations (JAX's monitoring events)."""
-
-    def __init__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, duration: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def _median_ms(fn, *args, calls: int = 30) -> float:
@@ -83,7 +67,7 @@ def _cases():
 def _memory_loop(calls: int) -> dict:
     rng = np.random.default_rng(1)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 128, 16)), jnp.float32) for _ in range(3))
-    counter = _CompileCounter()
+    counter = CompileCounter()
     rss = {}
     for step in range(1, calls + 1):
         offset = jnp.asarray(np.float32(step % 7))  # a new captured array every call
@@ -91,7 +75,7 @@ def _memory_loop(calls: int) -> dict:
         if step == 1:
             counter.count = 0
         if step in (calls // 10, calls // 2, calls):
-            rss[step] = round(_rss_mib(), 1)
+            rss[step] = round(rss_mib(), 1)
     return {"rss_mib": rss, "compiles_after_first": counter.count}
 
 
@@ -103,7 +87,7 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
     rows = []
     for name, fn, inputs in _cases():
-        counter = _CompileCounter()
+        counter = CompileCounter()
         eager = _median_ms(fn, *inputs)
         compiles = counter.count
         counter.count = 0

@@ -17,31 +17,14 @@ import gc
 import json
 import time
 
-import jax
 import torch
 
 import interop.torch as jt
+from benchmarks.process import CompileCounter, rss_mib
 from interop import _capture
 
 SHAPE = {"cpu": (1, 2, 128, 16, torch.float32), "cuda": (4, 8, 1024, 64, torch.bfloat16)}
 CHECKPOINTS = (1_000, 5_000, 10_000)
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-
-
-class _CompileCounter:
-    """Counts XLA backend compilations (JAX's monitoring events)."""
-
-    def __init__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-
-    def _on_event(self, event: str, *_, **__):
-        if event == "/jax/core/compile/backend_compile_duration":
-            self.count += 1
 
 
 def _step(attention, q, k, v, mask, d_out, length, device):
@@ -67,7 +50,7 @@ def main():
                for _ in range(3))
     d_out = torch.randn(B, H, L, D, device=args.device, dtype=dtype)
     mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, args.device)
-    compiles = _CompileCounter()
+    compiles = CompileCounter()
 
     _step(jt.flex_attention, q, k, v, mask, d_out, L, args.device)
     sync()
@@ -78,7 +61,7 @@ def main():
         if step in CHECKPOINTS:
             sync()
             gc.collect()
-            rss[step] = _rss_mib()
+            rss[step] = rss_mib()
             print(f"step {step}: RSS {rss[step]:.1f} MiB", flush=True)
     sync()
     per_step_ms = (time.perf_counter() - start) / (args.steps - 1) * 1e3
