@@ -2,6 +2,7 @@
 
 import resource
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -157,3 +158,22 @@ def test_memory_stays_flat_over_many_eager_calls():
     for i in range(1500):
         step(i)
     assert _rss_mib() - before < 30  # it grew 2.2 MB a call when each call compiled
+
+
+def test_first_calls_from_two_threads():
+    q, k, v = _inputs(5)
+    scale = jnp.asarray(np.float32(0.7))
+    results = [None, None]
+
+    def call(i):
+        results[i] = jattn.flex_attention(q, k, v, lambda s, *_: s * scale + i * 0,
+                                          implementation="xla")
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    expected = jattn.flex_attention(q, k, v, lambda s, *_: s * 0.7, implementation="xla")
+    for result in results:
+        np.testing.assert_allclose(result, expected, rtol=1e-6, atol=1e-6)

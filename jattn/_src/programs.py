@@ -51,9 +51,6 @@ class ProgramCache(Generic[Program]):
                 self._programs.popitem(last=False)
             return program
 
-    def __len__(self) -> int:
-        return len(self._programs)
-
     def clear(self) -> None:
         with self._lock:
             self._programs.clear()
