@@ -181,9 +181,9 @@ def jattn_block_mask(arrays, block_size, seq_lengths, mask_mod, *, kv_only: bool
 def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
                config):
     """fn(q, k, v, *rest, score_mod, block_mask, **options) for `mods`, the mask lists (with
-    kv_only the kv-major ones) and the capture arrays: `fn` is jattn's flex_attention or its
-    backward. config: an AttentionConfig and a precision as `encode_config` writes them, or
-    None."""
+    kv_only the kv-major ones) and the capture arrays, which fn is told (score_mod's first):
+    `fn` is the bridge's flex_attention or its backward. config: an AttentionConfig and a
+    precision as `encode_config` writes them, or None."""
     score, mask = translated_mods(mods)
     n_score = 0 if score is None else score.n_captures
 
@@ -193,9 +193,11 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
         block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
                                       kv_only=kv_only)
         attention_config, precision = decode_config(config)
-        return fn(q, k, v, *rest, score_mod, block_mask, scale=scale, enable_gqa=enable_gqa,
-                  implementation=implementation, config=attention_config, precision=precision,
-                  **kwargs)
+        return fn(q, k, v, *rest, score_mod, block_mask,
+                  score_captures=tuple(capture_arrays[:n_score]),
+                  mask_captures=tuple(capture_arrays[n_score:]), scale=scale,
+                  enable_gqa=enable_gqa, implementation=implementation,
+                  config=attention_config, precision=precision, **kwargs)
     return call
 
 
@@ -229,7 +231,7 @@ def _flex_program(return_lse: bool, **static) -> Callable:
     to dispatch): (q, k, v, mask_arrays, captures) -> out, or (out, lse) with return_lse;
     mask_arrays: the kv-major lists."""
     def forward(q, k, v, mask_arrays, captures):
-        return _flex_call(jattn.flex_attention, True, **static)(
+        return _flex_call(bridge.flex_attention, True, **static)(
             q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=return_lse)
     return jax.jit(forward)
 
@@ -242,9 +244,10 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **sta
         d_out = jnp.zeros_like(out)
     if d_lse is None:
         d_lse = jnp.zeros(lse.shape, jnp.float32)
-    dq, dk, dv, d_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
-        q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
-        captures=captures)
+    dq, dk, dv, d_score_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
+        q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures)
+    # score_mod's captures first, in order; the mask_mod's have no gradient
+    d_captures = [*d_score_captures, *[None] * (len(captures) - len(d_score_captures))]
     learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
     return dq, dk, dv, *(jnp.zeros_like(c) if d is None else d
                          for c, d, wanted in zip(captures, d_captures, learnable) if wanted)

@@ -177,3 +177,33 @@ def test_first_calls_from_two_threads():
     expected = jattn.flex_attention(q, k, v, lambda s, *_: s * 0.7, implementation="xla")
     for result in results:
         np.testing.assert_allclose(result, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_torch_ops_backward_reuses_the_forwards_program(monkeypatch):
+    """The bridge's backward finds the program its forward made (no second specialisation),
+    and returns the captured arrays' gradients in the caller's order."""
+    from jattn._src import bridge
+
+    made = []
+    specialise = attention_xla.specialise
+    monkeypatch.setattr(attention_xla, "specialise", lambda p, **kw: made.append(p) or
+                        specialise(p, **kw))
+    q, k, v = _inputs(6)
+    scale, shift = jnp.asarray(np.float32(0.5)), jnp.asarray(np.float32(0.25))
+
+    def mod(s, b, h, qi, ki):
+        return s * scale + shift  # reads shift first by position in `captures` below
+
+    captures = (shift, scale)
+    out, lse = bridge.flex_attention(q, k, v, mod, score_captures=captures, return_lse=True,
+                                     implementation="xla")
+    d_out = jnp.ones_like(out)
+    *_, d_captures = bridge.flex_attention_backward(
+        q, k, v, out, lse, d_out, jnp.zeros_like(lse), mod, score_captures=captures,
+        implementation="xla")
+    assert len(made) == 1
+    expected = jax.grad(lambda shift, scale: jattn.flex_attention(
+        q, k, v, lambda s, *_: s * scale + shift, implementation="xla").sum(),
+        argnums=(0, 1))(shift, scale)
+    np.testing.assert_allclose(d_captures[0], expected[0], atol=1e-4)
+    np.testing.assert_allclose(d_captures[1], expected[1], rtol=1e-4, atol=1e-4)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from jattn._src import backends
 from jattn._src.attention.api import flex_attention_backward
+from jattn._src.attention.api import flex_attention_with_captures as flex_attention
 from jattn._src.decoding.paged import check_pool_sizes
 from jattn._src.kernel_launch import single_kernel_launch
 from jattn._src.masks.block_mask import MaskLists
 
-__all__ = ["MaskLists", "check_pool_sizes", "flex_attention_backward", "launches_directly",
-           "resolve", "single_kernel_launch"]
+__all__ = ["MaskLists", "check_pool_sizes", "flex_attention", "flex_attention_backward",
+           "launches_directly", "resolve", "single_kernel_launch"]
 
 
 def resolve(op: str, implementation: str | None, *, on_cuda: bool) -> str:

@@ -61,12 +61,16 @@ class CaptureSet:
     """Traces user functions so that they share one list of captured arrays.
 
     Captured arrays are matched by identity, so a bias table closed over by two functions (or
-    by one function traced at several shapes) appears once in `captures`.
+    by one function traced at several shapes) appears once in `captures`. `known`: arrays the
+    caller knows the functions read, given the first slots in this order (so that results per
+    capture come back in the caller's order).
     """
 
-    def __init__(self):
-        self.captures: list[Any] = []
+    def __init__(self, known: Sequence[Any] = ()):
+        self.captures: list[Any] = list(known)
         self._slot_of: dict[int, int] = {}
+        for slot, array in enumerate(known):
+            self._slot_of.setdefault(id(array), slot)
 
     def trace(self, fn: Callable[..., Any],
               signature: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:

@@ -222,36 +222,47 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     traces the kernels nor compiles. Arrays the mods close over are arguments, so new values
     reuse the program.
     """
+    return flex_attention_with_captures(q, k, v, score_mod, block_mask, scale=scale,
+                                        enable_gqa=enable_gqa, return_lse=return_lse,
+                                        config=config, implementation=implementation,
+                                        precision=precision)
+
+
+def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
+                                 score_captures=(), mask_captures=(), scale=None,
+                                 enable_gqa=False, return_lse=False, config=None,
+                                 implementation=None, precision=None):
+    """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
+    the program takes them first, in this order, as `flex_attention_backward` does."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     empty = _empty_result(q, k, v, score_mod, block_mask, enable_gqa)
     if empty is not None:
         out, lse = empty
     else:
-        program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
-                                                         enable_gqa, config, implementation,
-                                                         precision)
+        program, lists, score_caps, mask_caps = _prepare(
+            q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
+            (score_captures, mask_captures))
         out, lse = program.forward(q, k, v, lists, score_caps, mask_caps)
     return (out, lse) if return_lse else out
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
-                            captures=(), scale=None, enable_gqa=False, config=None,
-                            implementation=None, precision=None):
-    """Gradients of `flex_attention(q, k, v, score_mod, block_mask, return_lse=True)` from its
-    saved outputs (out, lse) and their cotangents, without running the forward again — the same
-    backward `jax.vjp` runs, from the same cached program. (The torch ops' entry point: their
-    autograd keeps out and lse.)
+                            score_captures=(), mask_captures=(), scale=None, enable_gqa=False,
+                            config=None, implementation=None, precision=None):
+    """Gradients of `flex_attention_with_captures(q, k, v, score_mod, block_mask,
+    score_captures=..., mask_captures=..., return_lse=True)` from its saved outputs (out, lse)
+    and their cotangents, without running the forward again: the backward `jax.vjp` runs, of
+    the forward's cached program. (The torch ops' entry point: their autograd keeps out and lse.)
 
-    Returns (dq, dk, dv, d_captures): d_captures holds, for each array of `captures`, its
-    gradient if score_mod closes over it and it is floating point, else None.
+    Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
+    (zeros if score_mod does not read it), or None if it is not floating point.
     """
-    program, lists, score_caps, mask_caps = _prepare(q, k, v, score_mod, block_mask, scale,
-                                                     enable_gqa, config, implementation,
-                                                     precision)
+    program, lists, score_caps, mask_caps = _prepare(
+        q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
+        (score_captures, mask_captures))
     dq, dk, dv, _, d_score_caps, _ = program.backward(q, k, v, lists, score_caps, mask_caps,
                                                       out, lse, d_out, d_lse)
-    by_id = {id(c): d for c, d in zip(score_caps, d_score_caps)}
-    return dq, dk, dv, [by_id.get(id(c)) for c in captures]
+    return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 
 def _empty_result(q, k, v, score_mod, block_mask, enable_gqa):
@@ -271,10 +282,11 @@ def _empty_result(q, k, v, score_mod, block_mask, enable_gqa):
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
-             precision_name):
+             precision_name, known_captures=((), ())):
     """Validation, then the call's program: (program, mask lists, score_mod's and mask_mod's
     captured arrays). The mods are traced at the XLA block; those traces (with the shapes and
     options) key the program, so a cached program is found without tracing the kernels' tiles.
+    known_captures: arrays the caller knows score_mod and mask_mod read, given the first slots.
     """
     _check_inputs(q, k, v, enable_gqa)
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
@@ -293,7 +305,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
 
     score_mod = None if score_mod is None else checked_score_mod(score_mod)
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod)
-    score_set, mask_set = CaptureSet(), CaptureSet()
+    score_set, mask_set = (CaptureSet(known) for known in known_captures)
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
                           with_vjp=False)
