@@ -309,8 +309,22 @@ def test_gqa_needs_opt_in_and_dtypes_must_match():
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_bad_mods_and_masks_raise(impl):
     q, k, v = _qkv(k=(1, 4, 32, 16), v=(1, 4, 32, 16))
-    with pytest.raises(ValueError, match="score_mod must return a float array shaped like"):
+    with pytest.raises(ValueError, match="flex_attention: `score_mod` must return one float "
+                                         r"per score.*\[B, Hq, L, S\] = \[1, 4, 32, 32\]"):
         jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s.sum(), implementation=impl)
+    with pytest.raises(TypeError, match=r"`score_mod` is called as score_mod\(score, b, h, "
+                                        r"q_idx, kv_idx\), but bias\(s, h\) cannot take"):
+        def bias(s, h):
+            return s + h
+        jattn.flex_attention(q, k, v, bias, implementation=impl)
+    with pytest.raises(TypeError, match="uses a Python `if`.*jnp.where"):
+        def branchy(s, b, h, qi, ki):
+            return s if qi > ki else -s
+        jattn.flex_attention(q, k, v, branchy, implementation=impl)
+    with pytest.raises(TypeError, match="flex_decode: `mask_mod` is called as mask_mod"):
+        short = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 32, 32)
+        short = dataclasses.replace(short, mask_mod=lambda b, h, qi: qi >= 0)
+        jattn.flex_decode(q[:, :, :1], k, v, block_mask=short, implementation=impl)
     wrong = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 32)
     with pytest.raises(ValueError, match="block_mask was built for Q_LEN=64, KV_LEN=32"):
         jattn.flex_attention(q, k, v, block_mask=wrong, implementation=impl)

@@ -303,8 +303,9 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     scale = float(E ** -0.5 if scale is None else scale)
     precision_name = precision.canonical("flex_attention", precision_name)
 
-    score_mod = None if score_mod is None else checked_score_mod(score_mod)
-    mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod)
+    score_mod = None if score_mod is None else checked_score_mod(score_mod, _OP, (B, Hq, L, S))
+    mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod,
+                                                                         _OP)
     score_set, mask_set = (CaptureSet(known) for known in known_captures)
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),

@@ -249,6 +249,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
         kv_len = jnp.clip(kv_len, 0, S)
+        if score_mod is not None:
+            score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
         out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
                                scale=scale, implementation=implementation.name,
                                precision=precision)
@@ -261,8 +263,9 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         problem = make_problem(
             B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch,
             page_size=page_size, num_pages=num_pages, block_mask=block_mask,
-            score_mod=None if score_mod is None else checked_score_mod(score_mod),
-            mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod),
+            score_mod=None if score_mod is None else checked_score_mod(
+                score_mod, _OP, (B, Hq, Lq, S)),
+            mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod, _OP),
             score_set=score_set, mask_set=mask_set, static_length=static_length,
             queries_last=True, scale=scale, interpret=implementation.backend.interpret,
             config=config)

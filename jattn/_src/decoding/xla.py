@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.attention.api import flex_attention
+from jattn._src.attention.common import checked_mask_mod
 from jattn._src.masks.block_mask import BlockMask
 
 # Block kinds in the int8 table a decode score_mod looks up (int8: Triton loads no bools).
@@ -35,7 +36,11 @@ def decode_score_mod(score_mod: Callable | None, block_mask: BlockMask | None,
     """A flex_attention score_mod that computes decoding: score_mod at absolute query positions,
     -inf where the key is at or past kv_len, the position is negative, or the BlockMask (its
     row at the query's position) does not attend."""
-    kinds = None if block_mask is None else _block_kinds(block_mask)
+    kinds = mask_mod = None
+    if block_mask is not None:
+        kinds = _block_kinds(block_mask)
+        if block_mask.mask_mod is not None:
+            mask_mod = checked_mask_mod(block_mask.mask_mod, "flex_decode")
     if kinds is not None:
         (batches, heads, n_rows, _), (block_q, block_kv) = kinds.shape, block_mask.block_size
         # Broadcast mask axes are dropped, so the lookup indexes only the axes that vary.
@@ -55,11 +60,10 @@ def decode_score_mod(score_mod: Callable | None, block_mask: BlockMask | None,
                               n_rows - 1)
             kind = kinds[(*index, row, lax.div(kv_idx, jnp.int32(block_kv)))]
             attends = kind == _FULL
-            if block_mask.mask_mod is None:
+            if mask_mod is None:
                 attends = attends | (kind == _PARTIAL)
             else:
-                attends = attends | ((kind == _PARTIAL)
-                                     & block_mask.mask_mod(b, h, position, kv_idx))
+                attends = attends | ((kind == _PARTIAL) & mask_mod(b, h, position, kv_idx))
             keep = keep & attends
         return jnp.where(keep, score, -jnp.inf)
 
