@@ -107,3 +107,15 @@ def test_create_block_mask_is_memory_bounded_in_steps():
     assert block_mask.num_blocks == (128, 128)
     assert int(block_mask.kv_num_blocks.sum()) == 128          # one diagonal block per row
     assert int(block_mask.full_kv_num_blocks.sum()) == 128 * 127 // 2
+
+
+def test_mask_mod_mistakes_name_the_fix():
+    with pytest.raises(TypeError, match=r"create_block_mask: `mask_mod` is called as "
+                                        r"mask_mod\(b, h, q_idx, kv_idx\), but causal\(q, kv\)"):
+        def causal(q, kv):
+            return q >= kv
+        jattn.create_block_mask(causal, None, None, 64, 64)
+    with pytest.raises(TypeError, match="create_mask: `mask_mod` branchy uses a Python `if`"):
+        def branchy(b, h, q, kv):
+            return q >= kv if q > 3 else q < kv
+        jattn.create_mask(branchy, None, None, 64, 64)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -13,6 +11,8 @@ import jax.numpy as jnp
 
 from jattn._src.attention.config import AttentionConfig
 from jattn._src.backends import Implementation
+from jattn._src.mod_errors import (MASK_PARAMETERS, SCORE_PARAMETERS, check_parameters, name_of,
+                                   traced_values_explained)
 from jattn._src.user_functions import CaptureSet, TracedFunction
 
 
@@ -69,60 +69,21 @@ class Problem:
         return self.implementation.backend.interpret
 
 
-_SCORE_PARAMETERS = ("score", "b", "h", "q_idx", "kv_idx")
-_MASK_PARAMETERS = ("b", "h", "q_idx", "kv_idx")
-
-
-def _name(fn: Callable) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _check_parameters(fn: str, role: str, mod: Callable, parameters: tuple[str, ...]) -> None:
-    """A clear error when `mod` cannot be called with `parameters` (a raw Python TypeError
-    from deep inside the tracing otherwise)."""
-    try:
-        signature = inspect.signature(mod)
-    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
-        return
-    try:
-        signature.bind(*parameters)
-    except TypeError:
-        raise TypeError(f"{fn}: `{role}` is called as {role}({', '.join(parameters)}), but "
-                        f"{_name(mod)}{signature} cannot take these {len(parameters)} "
-                        "arguments; add the missing parameters (unused ones can be `*_`)."
-                        ) from None
-
-
-@contextlib.contextmanager
-def _traced_values_explained(fn: str, role: str, mod: Callable) -> Iterator[None]:
-    try:
-        yield
-    except (jax.errors.ConcretizationTypeError, ValueError) as error:
-        # bool() of a traced scalar is a ConcretizationTypeError, of a traced array a ValueError
-        if isinstance(error, ValueError) and "truth value of an array" not in str(error):
-            raise
-        raise TypeError(
-            f"{fn}: `{role}` {_name(mod)} uses a Python `if`, `and`, `or`, `not`, bool() or "
-            "int() on its arguments, which are traced arrays, not values: write "
-            "jnp.where(condition, x, y) and &, |, ~ instead (torch.where in a torch mod)."
-        ) from error
-
-
 def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,
                       scores: tuple[int, ...]) -> Callable[..., jax.Array]:
     """score_mod, with clear errors (naming `fn` and the call's [B, Hq, L, S] `scores`) for
     the common mistakes: a wrong parameter list, Python control flow on the arguments, a result
     that is not one float per score. Its result is float32."""
-    _check_parameters(fn, "score_mod", score_mod, _SCORE_PARAMETERS)
+    check_parameters(fn, "score_mod", score_mod, SCORE_PARAMETERS)
 
     def checked(score, b, h, q_idx, kv_idx):
-        with _traced_values_explained(fn, "score_mod", score_mod):
+        with traced_values_explained(fn, "score_mod", score_mod):
             out = score_mod(score, b, h, q_idx, kv_idx)
         if jnp.shape(out) != score.shape or not jnp.issubdtype(jnp.result_type(out),
                                                                jnp.floating):
             raise ValueError(
                 f"{fn}: `score_mod` must return one float per score, an array shaped like its "
-                f"`score` argument (e.g. `score + bias[h]`), but {_name(score_mod)} returned "
+                f"`score` argument (e.g. `score + bias[h]`), but {name_of(score_mod)} returned "
                 f"{jnp.result_type(out)} of shape {tuple(jnp.shape(out))} for a score of shape "
                 f"{tuple(score.shape)} (jattn calls it on blocks of the [B, Hq, L, S] = "
                 f"{list(scores)} scores); did it reduce over an axis, or return a constant?")
@@ -134,10 +95,10 @@ def checked_mask_mod(mask_mod: Callable[..., jax.Array], fn: str) -> Callable[..
     """mask_mod, with clear errors (naming `fn`) for a wrong parameter list, Python control
     flow on the arguments and a result that is not bool; the result is broadcast to the
     indices' shape."""
-    _check_parameters(fn, "mask_mod", mask_mod, _MASK_PARAMETERS)
+    check_parameters(fn, "mask_mod", mask_mod, MASK_PARAMETERS)
 
     def checked(b, h, q_idx, kv_idx):
-        with _traced_values_explained(fn, "mask_mod", mask_mod):
+        with traced_values_explained(fn, "mask_mod", mask_mod):
             out = mask_mod(b, h, q_idx, kv_idx)
         if jnp.result_type(out) != jnp.bool_:
             raise TypeError(f"{fn}: `mask_mod` must return bool, got {jnp.result_type(out)}; "

@@ -10,6 +10,7 @@ import numpy as np
 from jax import lax
 
 from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair, check_block_size
+from jattn._src.mod_errors import MASK_PARAMETERS, check_parameters, traced_values_explained
 from jattn._src.tiling import cdiv
 
 
@@ -26,8 +27,9 @@ def _index_grids(B: int, H: int):
     return b, h
 
 
-def _evaluate(mask_mod: MaskMod, b, h, q_idx, kv_idx, shape) -> jax.Array:
-    out = mask_mod(b, h, q_idx, kv_idx)
+def _evaluate(fn: str, mask_mod: MaskMod, b, h, q_idx, kv_idx, shape) -> jax.Array:
+    with traced_values_explained(fn, "mask_mod", mask_mod):
+        out = mask_mod(b, h, q_idx, kv_idx)
     if not hasattr(out, "dtype") or out.dtype != jnp.bool_:
         raise TypeError(f"mask_mod must return a bool array, got "
                         f"{getattr(out, 'dtype', type(out).__name__)}; compare instead "
@@ -59,10 +61,11 @@ def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: 
         q, kv = q0 + q_in_block, kv0 + kv_in_block
         shape = (B, H, block_q, block_kv)
         if not ragged:
-            return _evaluate(mask_mod, b, h, q, kv, shape).sum((-2, -1), dtype=jnp.int32)
+            return _evaluate("create_block_mask", mask_mod, b, h, q, kv, shape).sum(
+                (-2, -1), dtype=jnp.int32)
         # Positions past the ends are evaluated at the last valid index (a captured array
         # never sees an index past its end) and not counted.
-        attends = _evaluate(mask_mod, b, h, jnp.minimum(q, q_len - 1),
+        attends = _evaluate("create_block_mask", mask_mod, b, h, jnp.minimum(q, q_len - 1),
                             jnp.minimum(kv, kv_len - 1), shape)
         return (attends & (q < q_len) & (kv < kv_len)).sum((-2, -1), dtype=jnp.int32)
 
@@ -107,6 +110,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     check_block_size("create_block_mask", block_size, (Q_LEN, KV_LEN))
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: `mask_mod` must be callable, got {mask_mod!r}.")
+    check_parameters("create_block_mask", "mask_mod", mask_mod, MASK_PARAMETERS)
     return _build(mask_mod, B, H, Q_LEN, KV_LEN, *block_size)
 
 
@@ -117,4 +121,5 @@ def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int,
     b, h = _index_grids(B, H)
     q = jnp.arange(Q_LEN, dtype=jnp.int32)[None, None, :, None]
     kv = jnp.arange(KV_LEN, dtype=jnp.int32)[None, None, None, :]
-    return _evaluate(mask_mod, b, h, q, kv, (B, H, Q_LEN, KV_LEN))
+    check_parameters("create_mask", "mask_mod", mask_mod, MASK_PARAMETERS)
+    return _evaluate("create_mask", mask_mod, b, h, q, kv, (B, H, Q_LEN, KV_LEN))

@@ -1,0 +1,51 @@
+"""Clear errors for the commonest mistakes in user functions (mods): a wrong parameter list, and
+Python control flow on arguments that are traced arrays."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+
+import jax
+
+# How jattn calls each kind of mod.
+SCORE_PARAMETERS = ("score", "b", "h", "q_idx", "kv_idx")
+MASK_PARAMETERS = ("b", "h", "q_idx", "kv_idx")
+
+
+def name_of(fn: Callable) -> str:
+    """A user function's name for messages."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def check_parameters(fn: str, role: str, mod: Callable, parameters: tuple[str, ...]) -> None:
+    """A clear error when `mod` cannot be called with `parameters` (a raw Python TypeError
+    from deep inside the tracing otherwise)."""
+    try:
+        signature = inspect.signature(mod)
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
+        return
+    try:
+        signature.bind(*parameters)
+    except TypeError:
+        raise TypeError(f"{fn}: `{role}` is called as {role}({', '.join(parameters)}), but "
+                        f"{name_of(mod)}{signature} cannot take these {len(parameters)} "
+                        "arguments; add the missing parameters (unused ones can be `*_`)."
+                        ) from None
+
+
+@contextlib.contextmanager
+def traced_values_explained(fn: str, role: str, mod: Callable) -> Iterator[None]:
+    """Turns JAX's error for Python control flow on traced arguments into one naming the fix."""
+    try:
+        yield
+    except (jax.errors.ConcretizationTypeError, ValueError) as error:
+        # bool() of a traced scalar is a ConcretizationTypeError, of a traced array a ValueError
+        if isinstance(error, ValueError) and "truth value of an array" not in str(error):
+            raise
+        raise TypeError(
+            f"{fn}: `{role}` {name_of(mod)} uses a Python `if`, `and`, `or`, `not`, bool() or "
+            "int() on its arguments, which are traced arrays, not values: write "
+            "jnp.where(condition, x, y) and &, |, ~ instead (torch.where in a torch mod)."
+        ) from error
