@@ -359,7 +359,7 @@ def test_backward_from_saved_outputs_equals_vjp(impl):
     expected = jax.jit(lambda vjp, c: vjp(c))(vjp, cotangents)  # residuals as arguments
     dq, dk, dv, (d_table,) = jax.jit(lambda out, lse, c, table: flex_attention_backward(
         q, k, v, out, lse, *c, jattn.mods.relative_position_bias(table), block_mask,
-        captures=(table,), **options))(out, lse, cotangents, table)
+        score_captures=(table,), **options))(out, lse, cotangents, table)
     for name, ours, theirs in zip("qkv", (dq, dk, dv), expected):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"d{name}")
     # The table's gradient is an XLA reduction, which XLA may order differently in two programs
