@@ -217,6 +217,12 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       results. A key a query never reads (outside its blocks) cannot affect it, NaN included. Differentiable in q, k, v, captured arrays of
       score_mod and (through its cotangent) the LSE.
 
+    Example::
+
+        mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+        out = jax.jit(lambda q, k, v: jattn.flex_attention(
+            q, k, v, lambda s, b, h, q_idx, kv_idx: s + 0.1 * (kv_idx - q_idx), mask))(q, k, v)
+
     Eager calls reuse compiled programs: a call with the same shapes, dtypes, options and mods
     (the same traced computation; a changed Python scalar inside a mod is a new one) neither
     traces the kernels nor compiles. Arrays the mods close over are arguments, so new values

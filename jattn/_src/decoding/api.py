@@ -213,6 +213,10 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
       or a position below 0) gives 0 and LSE -inf. Paged and contiguous caches with the same
       contents give bitwise equal results for the same config.
 
+    Example (one new token per sequence, caches of different lengths)::
+
+        out = jattn.flex_decode(q, k_cache, v_cache, kv_len=lengths)  # q [B, Hq, 1, E]
+
     Bad values raise ValueError when known (eager calls): kv_len outside [0, S], a page below
     kv_len unassigned or outside the pool. Under jit, where they cannot be checked, the rows of
     such a sequence come out NaN; nothing is read or written out of bounds either way. Not

@@ -355,6 +355,10 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     Returns:
       [..., M, N] of out_dtype. Differentiable in a, b, bias and captured arrays (custom_vjp:
       dA = dZ·Bᵀ and dB = Aᵀ·dZ through the same kernel, dZ from `jax.vjp` of the epilogue).
+
+    Example::
+
+        y = jattn.matmul(x, w, bias=b, epilogue=lambda t: jax.nn.gelu(t, approximate=True))
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     check_operands("matmul", a, b, b_max_ndim=2)

@@ -101,9 +101,30 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
                       *, block_size: int | tuple[int, int] = 128) -> BlockMask:
     """The BlockMask of `mask_mod(b, h, q_idx, kv_idx) -> bool` for a [B, H, Q_LEN, KV_LEN] score.
 
-    B or H None (or 1) broadcasts over batches or heads. mask_mod is evaluated on the default
-    device in steps of a few query blocks, never holding the dense Q_LEN x KV_LEN mask. Index
-    arguments are int32 arrays that broadcast to [B, H, q, kv].
+    Each block_size[0] x block_size[1] block of the score is classified once: full (every pair
+    attends; the kernels skip mask_mod there), partial (mask_mod decides per pair) or empty
+    (never visited), so the attention's cost follows the mask's density.
+
+    Args:
+      mask_mod: `f(b, h, q_idx, kv_idx) -> bool` on int32 index arrays that broadcast to
+        [B, H, q, kv]; True where the query may attend to the key. Arrays it closes over
+        (document ids, ...) are read when the mask is built and again, as kernel inputs, when
+        flex_attention applies it to partial blocks. See `jattn.masks` for ready-made ones.
+      B, H: batch and heads, or None (1) to share one mask across them.
+      Q_LEN, KV_LEN: the query and key lengths of the attention it is for.
+      block_size: int or (q, kv) pair, at least 16 and at most max(128, the length rounded up
+        to a power of two) along each axis; 128 as torch.
+
+    Returns:
+      A BlockMask (int32 block lists shaped [B, H, nQ, nKV] and the like; `repr` draws it).
+
+    mask_mod is evaluated on the default device in steps of a few query blocks, never holding
+    the dense Q_LEN x KV_LEN mask.
+
+    Example::
+
+        mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 4096, 4096)
+        out = jattn.flex_attention(q, k, v, block_mask=mask)  # q, k, v [B, H, 4096, E]
     """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_block_mask", B, H, Q_LEN, KV_LEN)
     block_size = _pair("block_size", block_size)
@@ -116,7 +137,13 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
 
 def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int,
                 KV_LEN: int) -> jax.Array:
-    """The dense [B, H, Q_LEN, KV_LEN] bool mask (for tests and debugging: O(L·S) memory)."""
+    """The dense [B, H, Q_LEN, KV_LEN] bool mask of `mask_mod` (B or H None: 1), for tests
+    and debugging: it takes O(Q_LEN · KV_LEN) memory, which `create_block_mask` never does.
+
+    Example::
+
+        dense = jattn.create_mask(jattn.masks.sliding_window(4), None, None, 8, 8)  # [1,1,8,8]
+    """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_mask", B, H, Q_LEN, KV_LEN)
     b, h = _index_grids(B, H)
     q = jnp.arange(Q_LEN, dtype=jnp.int32)[None, None, :, None]
