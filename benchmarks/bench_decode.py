@@ -182,7 +182,8 @@ def sweep(B: int, S: int) -> list[dict]:
     heuristic = make_problem(B=B, Hq=HQ, Hkv=HKV, Lq=1, S=S, E=D, Ev=D, kv_batch=B,
                              page_size=None, num_pages=None, block_mask=None, score_mod=None,
                              mask_mod=None, score_set=None, mask_set=None, static_length=True,
-                             queries_last=True, scale=1.0, interpret=False, config=best).config.num_splits
+                             queries_last=True, scale=1.0, interpret=False,
+                             config=best).config.num_splits
     for factor in (0.5, 0.75, 1.5, 2.0):
         splits = max(1, round(heuristic * factor))
         if splits != heuristic:

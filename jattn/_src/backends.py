@@ -92,6 +92,15 @@ def register(implementation: Implementation) -> Implementation:
     return implementation
 
 
+def register_xla_and_kernels(op: str, xla_module: Any, kernel_module: Any,
+                             **tunables: Any) -> None:
+    """Registers `op` on XLA (no tunables) and on the Pallas kernels, compiled and interpreted
+    (`tunables`: their config_class, heuristic, search_space)."""
+    register(Implementation(op, XLA, xla_module))
+    for backend in (PALLAS_TRITON, INTERPRET):
+        register(Implementation(op, backend, kernel_module, **tunables))
+
+
 def implementations(op: str) -> dict[str, Implementation]:
     """The registered implementations of `op`, by backend name."""
     return dict(_REGISTRY[op])

@@ -13,13 +13,15 @@ float32 sum of the same values and identical on every run and every platform.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
+
+from jattn._src.user_functions import jaxpr_and_consts
 
 _TOTAL_BITS = 62  # an int64 sum of fixed-point values stays below 2**62 in magnitude
 
@@ -46,15 +48,10 @@ def scatter_add(operand, indices, updates, **params):
     return jnp.where(finite.all(), result, jnp.nan).astype(operand.dtype)
 
 
-def _jaxpr_parts(closed: Any) -> tuple[Any, Sequence[Any]]:
-    # jax 0.11 merged ClosedJaxpr into Jaxpr; 0.10 keeps the consts beside `.jaxpr`.
-    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
-
-
 def _evaluate(closed: Any, *args: Any) -> list[Any]:
     """Evaluates a jaxpr with every float scatter-add (also inside nested jits) summed by
     `scatter_add`; every other equation binds as usual."""
-    jaxpr, consts = _jaxpr_parts(closed)
+    jaxpr, consts = jaxpr_and_consts(closed)
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 

@@ -17,6 +17,12 @@ import jax
 from jax.extend.core import jaxpr_as_fun
 
 
+def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
+    the consts beside `.jaxpr`."""
+    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+
+
 def _with_consts(closed: Any, consts: Sequence[Any]) -> Any:
     # jax 0.11 merged ClosedJaxpr into Jaxpr and added `with_consts`; 0.10 has `replace`.
     if hasattr(closed, "with_consts"):
@@ -44,7 +50,7 @@ class TracedFunction:
         """What the traced computation is, without the captured arrays' values: the jaxpr's
         text (its constants are typed inputs; Python scalars it read appear as literals) and
         which captures it reads. Equal keys compute the same function of the captures."""
-        return str(getattr(self.closed_jaxpr, "jaxpr", self.closed_jaxpr)), self.capture_slots
+        return str(jaxpr_and_consts(self.closed_jaxpr)[0]), self.capture_slots
 
     def without_captures(self) -> TracedFunction:
         """This function holding no captured arrays (a cached program must not keep a call's

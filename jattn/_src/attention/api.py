@@ -100,11 +100,8 @@ def _full_block_mask(L: int, S: int) -> BlockMask:
 # ------------------------------------------------------------------------------------------------
 
 _OP = "flex_attention"
-for _backend, _module in ((backends.XLA, xla), (backends.PALLAS_TRITON, pallas_triton),
-                          (backends.INTERPRET, pallas_triton)):
-    backends.register(backends.Implementation(
-        _OP, _backend, _module, config_class=AttentionConfig if _backend.pallas else None,
-        heuristic=heuristic_config if _backend.pallas else None))
+backends.register_xla_and_kernels(_OP, xla, pallas_triton, config_class=AttentionConfig,
+                                  heuristic=heuristic_config)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,8 +211,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Returns:
       out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L]. A query
       that attends to nothing (S = 0 included) gives 0 and LSE -inf; B = 0 or L = 0 give empty
-      results. A key a query never reads (outside its blocks) cannot affect it, NaN included. Differentiable in q, k, v, captured arrays of
-      score_mod and (through its cotangent) the LSE.
+      results. A key a query never reads (outside its blocks) cannot affect it, NaN included.
+      Differentiable in q, k, v, captured arrays of score_mod and (through its cotangent) the
+      LSE.
 
     Example::
 
@@ -241,7 +239,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    empty = _empty_result(q, k, v, score_mod, block_mask, enable_gqa)
+    _check_call(q, k, v, score_mod, block_mask, enable_gqa)
+    empty = _empty_result(q, k, v)
     if empty is not None:
         out, lse = empty
     else:
@@ -263,6 +262,7 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
     (zeros if score_mod does not read it), or None if it is not floating point.
     """
+    _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
         (score_captures, mask_captures))
@@ -271,43 +271,44 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 
-def _empty_result(q, k, v, score_mod, block_mask, enable_gqa):
-    """(out, lse) of a call with an empty batch, query or key axis (every implementation
-    alike: empty, or zeros and LSE -inf where no key exists), after the usual checks; None for
-    every other call."""
+def _check_call(q, k, v, score_mod, block_mask, enable_gqa) -> None:
+    """The checks every entry point makes once: the arrays, the mod, a given BlockMask."""
     _check_inputs(q, k, v, enable_gqa)
-    (B, Hq, L, _), S = q.shape, k.shape[2]
-    if B and L and S:
-        return None
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
     if block_mask is not None:
+        (B, Hq, L, _), S = q.shape, k.shape[2]
         _check_block_mask(block_mask, B, Hq, L, S)
+
+
+def _empty_result(q, k, v):
+    """(out, lse) of a checked call with an empty batch, query or key axis (every
+    implementation alike: empty, or zeros and LSE -inf where no key exists); None for every
+    other call."""
+    (B, Hq, L, _), S = q.shape, k.shape[2]
+    if B and L and S:
+        return None
     return (jnp.zeros((B, Hq, L, v.shape[-1]), q.dtype),
             jnp.full((B, Hq, L), -jnp.inf, jnp.float32))
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
              precision_name, known_captures=((), ())):
-    """Validation, then the call's program: (program, mask lists, score_mod's and mask_mod's
-    captured arrays). The mods are traced at the XLA block; those traces (with the shapes and
+    """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
+    arrays). The mods are traced at the XLA block; those traces (with the shapes and
     options) key the program, so a cached program is found without tracing the kernels' tiles.
     known_captures: arrays the caller knows score_mod and mask_mod read, given the first slots.
     """
-    _check_inputs(q, k, v, enable_gqa)
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
     if config is not None and not isinstance(config, AttentionConfig):
         raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
     dense = block_mask is None
     if dense:
         block_mask = _full_block_mask(L, S)
-    _check_block_mask(block_mask, B, Hq, L, S)
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
-    precision_name = precision.canonical("flex_attention", precision_name)
+    precision_name = precision.canonical(_OP, precision_name)
 
     score_mod = None if score_mod is None else checked_score_mod(score_mod, _OP, (B, Hq, L, S))
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod,
@@ -326,8 +327,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         problem = Problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, kv_batch=Bk,
                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                           mask_block=block_mask.block_size, scale=scale,
-                          precision=precision_name, implementation=implementation, config=None, fwd=xla_mods,
-                          bwd=xla_mods, dkdv=xla_mods, xla=xla_mods)
+                          precision=precision_name, implementation=implementation,
+                          config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, dense=dense, config=config)

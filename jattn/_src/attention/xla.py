@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._src.attention.common import Mods, Problem
 from jattn._src import deterministic
+from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.tiling import cdiv

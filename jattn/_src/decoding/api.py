@@ -25,10 +25,7 @@ from jattn._src.user_functions import CaptureSet
 _OP = "flex_decode"
 # The split-KV kernel runs a few queries per sequence; the XLA implementation (and longer query
 # blocks on any backend) runs flex_attention over the cache.
-backends.register(backends.Implementation(_OP, backends.XLA, xla))
-for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
-    backends.register(backends.Implementation(_OP, _backend, pallas_triton_split_kv,
-                                              config_class=DecodeConfig))
+backends.register_xla_and_kernels(_OP, xla, pallas_triton_split_kv, config_class=DecodeConfig)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -62,13 +59,14 @@ def _kv_shapes(q, k, v):
     return (Hkv, S, E, v.shape[3], k.shape[0], None, None), k.dtype
 
 
-def _check_heads_and_dtypes(q, Hkv: int, E: int, kv_dtype) -> None:
+def _check_heads_and_dtypes(q, Hkv: int, E: int, Ev: int, kv_dtype) -> None:
     if q.dtype not in _DTYPES or q.dtype != kv_dtype:
         raise TypeError(f"flex_decode: q ({q.dtype}) and k/v ({kv_dtype}) must share one of "
                         "bfloat16, float16, float32.")
-    if 0 in (q.shape[1], Hkv, E, q.shape[3]):
+    if 0 in (q.shape[1], Hkv, E, Ev):
         raise ValueError(f"flex_decode: q and k/v need at least one head and a head dim of at "
-                         f"least 1, got q {q.shape}, {Hkv} kv heads and head dim {E}.")
+                         f"least 1, got q {q.shape}, {Hkv} kv heads and head dims {E} (k) and "
+                         f"{Ev} (v).")
     if q.shape[1] % Hkv:
         raise ValueError(f"flex_decode: query heads {q.shape[1]} must be a multiple of kv heads "
                          f"{Hkv} (q {q.shape}).")
@@ -229,7 +227,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     if q.ndim != 4:
         raise ValueError(f"flex_decode: `q` must be [batch, heads, queries, dim], got {q.shape}.")
     (Hkv, S, E, Ev, kv_batch, page_size, num_pages), kv_dtype = _kv_shapes(q, k, v)
-    _check_heads_and_dtypes(q, Hkv, E, kv_dtype)
+    _check_heads_and_dtypes(q, Hkv, E, Ev, kv_dtype)
     B, Hq, Lq, _ = q.shape
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"flex_decode: `score_mod` must be callable, got {score_mod!r}.")
@@ -237,14 +235,14 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         raise TypeError(f"flex_decode: `config` must be a DecodeConfig, got {config!r}.")
     if block_mask is not None:
         _check_block_mask(block_mask, B, Hq, S)
-    if Ev == 0:
-        raise ValueError(f"flex_decode: v's head dim must be at least 1, got {Ev}.")
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
-    precision = canonical_precision("flex_decode", precision)
+    precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
+    if score_mod is not None:
+        score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
 
     if 0 in (B, Lq, S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)
@@ -253,8 +251,6 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
         q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
         kv_len = jnp.clip(kv_len, 0, S)
-        if score_mod is not None:
-            score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
         out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
                                scale=scale, implementation=implementation.name,
                                precision=precision)
@@ -267,8 +263,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         problem = make_problem(
             B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch,
             page_size=page_size, num_pages=num_pages, block_mask=block_mask,
-            score_mod=None if score_mod is None else checked_score_mod(
-                score_mod, _OP, (B, Hq, Lq, S)),
+            score_mod=score_mod,
             mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod, _OP),
             score_set=score_set, mask_set=mask_set, static_length=static_length,
             queries_last=True, scale=scale, interpret=implementation.backend.interpret,
@@ -280,7 +275,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         lists = [] if block_mask is None else block_mask.lists().major("kv")
         # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
         # jit each XLA op here would be a kernel launch of its own per call.
-        out, lse = _kernel_program(problem, precision)(q, k, v, None if static_length else kv_len, table,
-                                            lists, tuple(score_set.captures),
-                                            tuple(mask_set.captures), bad)
+        program = _kernel_program(problem, precision)
+        out, lse = program(q, k, v, None if static_length else kv_len, table, lists,
+                           tuple(score_set.captures), tuple(mask_set.captures), bad)
     return (out, lse) if return_lse else out

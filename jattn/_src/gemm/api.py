@@ -29,10 +29,8 @@ _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.
 # The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles). bmm and the
 # backward products run matmul's implementation.
 for _op in ("matmul", "bmm", "mm_plus_mm", "scaled_matmul"):
-    backends.register(Implementation(_op, backends.XLA, xla))
-    for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
-        backends.register(Implementation(_op, _backend, pallas_triton, config_class=MatmulConfig,
-                                         heuristic=heuristic_config, search_space=search_space))
+    backends.register_xla_and_kernels(_op, xla, pallas_triton, config_class=MatmulConfig,
+                                      heuristic=heuristic_config, search_space=search_space)
 
 Epilogue = Callable[..., jax.Array]
 

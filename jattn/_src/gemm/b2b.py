@@ -31,10 +31,8 @@ from jattn._src.user_functions import TracedFunction, trace_with_captures
 _OP = "b2b_matmul"
 _SIDES = ("left", "right")
 
-backends.register(Implementation(_OP, backends.XLA, xla))
-for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
-    backends.register(Implementation(_OP, _backend, pallas_triton_b2b, config_class=B2BConfig,
-                                     heuristic=heuristic_b2b_config))
+backends.register_xla_and_kernels(_OP, xla, pallas_triton_b2b, config_class=B2BConfig,
+                                  heuristic=heuristic_b2b_config)
 
 
 @dataclasses.dataclass(frozen=True)

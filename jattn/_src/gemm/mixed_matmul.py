@@ -26,11 +26,8 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _QWEIGHT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.uint8)}
 
 
-backends.register(Implementation(_OP, backends.XLA, xla))
-for _backend in (backends.PALLAS_TRITON, backends.INTERPRET):
-    backends.register(Implementation(_OP, _backend, pallas_triton_mixed,
-                                     config_class=MatmulConfig,
-                                     heuristic=heuristic_mixed_config))
+backends.register_xla_and_kernels(_OP, xla, pallas_triton_mixed, config_class=MatmulConfig,
+                                  heuristic=heuristic_mixed_config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,8 +66,8 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
 
     Each scale is max|w| / qmax over its channel or group (qmax 127 for int8, 7 for int4; an
     all-zero group gets scale 1, a group holding NaN the scale NaN, so that dequantisation and
-    mixed_matmul give NaN there, not 0), stored in scale_dtype; q = round(w / stored scale) clipped to
-    [-qmax, qmax], so dequantisation uses exactly the scale that was stored.
+    mixed_matmul give NaN there, not 0), stored in scale_dtype; q = round(w / stored scale)
+    clipped to [-qmax, qmax], so dequantisation uses exactly the scale that was stored.
 
     Args:
       w: [K, N] floating weight (N output channels); K even for bits=4.
