@@ -1,6 +1,7 @@
 """Flex attention on the GPU against torch FlexAttention, cuDNN and JAX's Pallas mha, same run.
 
     python -m benchmarks.bench_attention [--only CASE] [--masks full,causal] [--json out.json]
+    (rows go to --json as they are measured)
     python -m benchmarks.bench_attention --sweep [--only CASE] [--masks ...]   # forward tiles
 
 FLOPs: forward 4·B·H·L²·D times the mask's density (fraction of attended pairs); backward
@@ -14,7 +15,6 @@ create_block_mask at 32k / 128k causal against torch's compiled builder.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
-from benchmarks import shapes
-from benchmarks.timing import first_call_seconds, time_jax, time_torch
+from benchmarks import record, shapes
+from benchmarks.timing import first_call_seconds, time_jax, time_torch, warm_up
 
 COPIES = 3  # input sets rotated per timing pass (each is >= 200 MB here, so L2 is no help)
 
@@ -250,6 +250,7 @@ def main():
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    warm_up()
     rows = []
     for name, B, H, L, D in shapes.ATTENTION:
         if args.only and args.only not in name:
@@ -268,6 +269,7 @@ def main():
                      f"  first call {r['jattn']['first_call_s']:.1f}s"
                      f" (torch {r['torch_flex']['first_call_s']:.1f}s)")
             print(line, flush=True)
+            record.write(args.json, rows)
     if args.block_mask:
         for L in (32768, 131072):
             r = bench_block_mask(L)
@@ -276,9 +278,7 @@ def main():
                   f"{r['jattn_first_s']:.2f} s, working {r['jattn_working_MiB']:.0f} MiB)  "
                   f"torch {r['torch_s'] * 1e3:.2f} ms (first {r['torch_first_s']:.2f} s, peak "
                   f"{r['torch_peak_MiB']:.0f} MiB)", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    record.write(args.json, rows)
 
 
 if __name__ == "__main__":

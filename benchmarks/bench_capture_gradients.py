@@ -13,7 +13,6 @@ gradient between two runs (0 = bitwise reproducible).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -27,6 +26,8 @@ from jattn._src import deterministic  # noqa: E402
 from jattn._src.attention import api as attention_api  # noqa: E402
 from jattn._src.attention import xla as attention_xla  # noqa: E402
 from jattn._src.tuning.autotune import median_seconds  # noqa: E402
+from benchmarks import record  # noqa: E402
+from benchmarks.timing import warm_up  # noqa: E402
 
 B, H, L, D, RADIUS = 4, 16, 4096, 128, 512
 COST_TARGET = 1.10
@@ -52,6 +53,7 @@ def main() -> None:
     table = jnp.asarray(0.1 * rng.standard_normal((H, 2 * RADIUS + 1)), jnp.float32)
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}; "
           f"B{B} H{H} L{L} D{D} causal, relative-position table {tuple(table.shape)}")
+    warm_up()
     rows = {}
     for name, pullback in (("integer scatter-add", deterministic.vjp),
                            ("float scatter-add (jax.vjp)", jax.vjp)):
@@ -70,10 +72,7 @@ def main() -> None:
         print(f"{name:30s} fwd+bwd {row['ms']:9.3f} ms   table gradient, run to run: "
               f"max |diff| {row['table_grad_run_to_run']:.3g}")
     print(f"cost: {ratio:.3f}x ({'ok' if ratio <= COST_TARGET else 'above'} {COST_TARGET})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "rows": rows, "ratio": ratio},
-                      f, indent=1)
+    record.write(args.json, rows, ratio=ratio)
 
 
 if __name__ == "__main__":

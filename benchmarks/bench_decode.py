@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 
@@ -30,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
+from benchmarks import record
+from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch, warm_up
 from jattn._src.decoding.api import flex_decode
 from jattn._src.attention.split_kv import make_problem
 from jattn._src.attention.split_kv_config import DecodeConfig
@@ -198,14 +198,13 @@ def main():
     parser.add_argument("--json", help="write the rows to this file (after every row)")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind} ({num_sms()} SMs); jax {jax.__version__}")
+    warm_up()
     rows = [{"copy_ceiling_GBps": copy_ceiling()}]
     ceiling = rows[0]["copy_ceiling_GBps"]
     print(f"copy ceiling (read + write): {ceiling:.0f} GB/s", flush=True)
 
     def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        record.write(args.json, rows)
 
     save()
     for B, S in CASES:

@@ -13,7 +13,6 @@ new array (flat).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -22,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from benchmarks import record
 from benchmarks.process import CompileCounter, rss_mib
+from benchmarks.timing import warm_up
 
 RATIO_TARGET = 1.5
 
@@ -85,6 +86,7 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    warm_up()
     rows = []
     for name, fn, inputs in _cases():
         counter = CompileCounter()
@@ -103,10 +105,7 @@ def main() -> None:
     print(f"{args.calls} eager flex_attention calls, each over a new captured array: RSS "
           f"{memory['rss_mib']} MiB; compilations after the first call: "
           f"{memory['compiles_after_first']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                       "rows": rows, "memory": memory}, f, indent=1)
+    record.write(args.json, rows, memory=memory)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -35,7 +34,8 @@ import numpy as np
 
 import jattn
 from jattn._src.gemm.reference import mixed_matmul_reference
-from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
+from benchmarks import record
+from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch, warm_up
 
 # (name, M, N, K1, K2)
 MM_PLUS_MM = [("mm+mm M=N=8192 K=128+128", 8192, 8192, 128, 128),
@@ -231,15 +231,14 @@ def main(argv=None):
     cases += [(bench_b2b, c) for c in (SMOKE_B2B if args.smoke else B2B)]
     cases += [(bench_mixed, c) for c in (SMOKE_MIXED if args.smoke else MIXED)]
     cases += [(bench_scaled, c) for c in (SMOKE_SCALED if args.smoke else SCALED)]
+    warm_up()
     rows = []
     for bench, case in cases:
         if args.only and args.only not in case[0]:
             continue
         rows.append(bench(*case, smoke=args.smoke))
         print(_report(rows[-1]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        record.write(args.json, rows)
     return rows
 
 

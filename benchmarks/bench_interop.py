@@ -24,7 +24,6 @@ negligible there: the per-call numbers carry their noise.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
@@ -34,7 +33,8 @@ import torch
 
 import interop.torch as jt
 import jattn
-from benchmarks import shapes
+from benchmarks import record, shapes
+from benchmarks.timing import warm_up
 
 CALLS = 2000
 SHAPES = {"cuda": {"matmul": (128, 256), "flex": (256, 1024), "head_dim": 64,
@@ -176,6 +176,7 @@ def main():
     jnp.zeros(())
     print(f"device: {jax.devices(args.device if args.device == 'cpu' else None)[0].device_kind}"
           f"; jax {jax.__version__}; torch {torch.__version__}")
+    warm_up()
     rows = []
     sizes = SHAPES[args.device]
     for r in ([bench_matmul(n, args.device) for n in sizes["matmul"]]
@@ -194,9 +195,7 @@ def main():
         print(f"{r['op']} {name}: forward jax {r['fwd_jax_ms']:.3f} ms, op "
               f"{r['fwd_op_ms']:.3f} ms; forward+backward jax {r['fwd_bwd_jax_ms']:.3f} ms, op "
               f"{r['fwd_bwd_op_ms']:.3f} ms", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    record.write(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -22,7 +21,8 @@ import numpy as np
 
 import jattn
 from benchmarks import shapes
-from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch
+from benchmarks import record
+from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch, warm_up
 from jattn._src import backends
 from jattn._src.gemm.api import choose_config
 
@@ -84,6 +84,7 @@ def main():
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
     cases = [(c, False) for c in shapes.MATMUL_SQUARE + shapes.MATMUL_SKINNY]
     cases += [(c, True) for c in shapes.MATMUL_EPILOGUE]
+    warm_up()
     rows = []
     for (name, m, n, k), epilogue in cases:
         if args.only and args.only not in name:
@@ -94,9 +95,7 @@ def main():
               f"  torch {r['tflops']['torch']:6.1f} TFLOP/s   vs xla {r['vs_xla']:.3f}"
               f"  vs torch {r['vs_torch']:.3f}   first call {r['first_call_s']:.2f}s"
               f"  {r['config']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        record.write(args.json, rows)
 
 
 if __name__ == "__main__":

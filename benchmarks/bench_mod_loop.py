@@ -20,7 +20,9 @@ import time
 import torch
 
 import interop.torch as jt
+from benchmarks import record
 from benchmarks.process import CompileCounter, rss_mib
+from benchmarks.timing import warm_up
 from interop import _capture
 
 SHAPE = {"cpu": (1, 2, 128, 16, torch.float32), "cuda": (4, 8, 1024, 64, torch.bfloat16)}
@@ -51,6 +53,7 @@ def main():
     d_out = torch.randn(B, H, L, D, device=args.device, dtype=dtype)
     mask = jt.create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, L, args.device)
     compiles = CompileCounter()
+    warm_up()
 
     _step(jt.flex_attention, q, k, v, mask, d_out, L, args.device)
     sync()
@@ -85,9 +88,7 @@ def main():
         sync()
         result["torch_per_step_ms"] = (time.perf_counter() - start) / 300 * 1e3
     print(json.dumps(result, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    record.write(args.json, result)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ each implementation (they agree to bf16 rounding).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
 import interop.torch as jt
+from benchmarks import record
+from benchmarks.timing import warm_up
 
 B, L, VOCAB = 4, 2048, 32000
 
@@ -75,6 +76,7 @@ def main():
     model = _model()
     ids = torch.randint(0, VOCAB, (B, L), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
+    warm_up()
     rows = {}
     for implementation in ("sdpa", "flex_attention", "jattn", "sdpa"):
         _use(model, implementation)
@@ -82,9 +84,7 @@ def main():
         rows.setdefault(implementation, []).append({"step_ms": seconds * 1e3, "loss": loss})
         print(f"{implementation}: {seconds * 1e3:.2f} ms per train step, first loss "
               f"{loss:.5f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    record.write(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jattn._src.tuning.autotune import median_seconds
 
@@ -28,6 +29,27 @@ MAX_INPUT_BYTES = 4 * 2**30
 # 364-369 and 40 passes 360, ~0.5 ms fixed per sample; a CUDA-graph replay pays far less.
 # 100 ms samples keep that cost under ~0.6% on either side.
 MIN_SAMPLE_SECONDS = 0.1
+
+
+def warm_up(seconds: float = 3.0) -> None:
+    """Dense GEMMs for a few seconds before the first timed case, on the GPU only: on a fresh
+    machine the clocks, the runtimes and cuBLAS otherwise come up during the first case, which
+    then reads low."""
+    if jax.default_backend() != "gpu":
+        return
+    x = jnp.ones((4096, 4096), jnp.bfloat16)
+    square = jax.jit(lambda x: x @ x)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        jax.block_until_ready(square(x))
+    try:
+        import torch
+    except ImportError:
+        return
+    y = torch.ones(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        (y @ y).sum().item()
 
 
 def input_copies(bytes_per_input_set: int) -> int:

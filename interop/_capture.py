@@ -5,7 +5,7 @@ backend of ours), on 0-d index tensors as torch FlexAttention calls it. Dynamo t
 and everything it reads (closure cells, globals, default arguments, a bound `self`, a
 `functools.partial`'s arguments, an nn.Module's parameters and buffers, nested mods such as
 `and_masks`), lifts the tensors it reads to graph inputs and guards on every Python value the
-trace depends on. Our backend translates each graph to JAX once (`interop._translate`) and
+trace depends on. Our backend translates each graph to JAX once (`_translate.py`) and
 returns a function that, on every later call, receives the tensors the mod reads *now* and
 hands them to the op. So:
 
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
-from interop import _translate
+from . import _translate
 
 ARITY = {"score": 5, "mask": 4}
 _SIGNATURES = {"score": "(score, b, h, q_idx, kv_idx)", "mask": "(b, h, q_idx, kv_idx)"}

@@ -1,5 +1,5 @@
 """jattn::flex_decode: `jattn.flex_decode` as a torch custom op, on a contiguous or paged cache,
-and the index work of `interop.torch.PagedKVCache.assign`.
+and the index work of `PagedKVCache.assign`.
 
 Inference only, decided in the forward: with grad mode on, an input that requires grad raises
 before anything runs (`check_no_grad`), in eager mode and under torch.compile alike. A backward
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 import jattn
-from interop import _ops
-from interop._dlpack import same_device, to_torch
+from . import _ops
+from ._dlpack import same_device, to_torch
 
 _FN = "flex_decode"
 
@@ -44,7 +44,7 @@ def check_no_grad(tensors: tuple[Tensor, ...]) -> None:
             "flex_decode is inference-only (no gradient), but grad mode is on and these "
             f"require grad: {', '.join(names)}. "
             "Call it under torch.no_grad() or torch.inference_mode(), or detach the inputs; to "
-            "train, use interop.torch.flex_attention (same q, k, v, score_mod and BlockMask).")
+            "train, use jattn.torch.flex_attention (same q, k, v, score_mod and BlockMask).")
 
 
 def kv_len_tensor(kv_len, q: Tensor, S: int) -> Tensor | None:

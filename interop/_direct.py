@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from interop._dlpack import DTYPES
+from ._dlpack import DTYPES
 from jattn._src.bridge import single_kernel_launch
 
 _TORCH_DTYPES = {np.dtype(jax_dtype): torch_dtype for torch_dtype, jax_dtype in DTYPES.items()}

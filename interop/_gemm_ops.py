@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 import jattn
-from interop._direct import DirectProgram
-from interop._dlpack import DTYPES, to_torch
-from interop._ops import implementation_for, needs_autograd, ready_views
+from ._direct import DirectProgram
+from ._dlpack import DTYPES, to_torch
+from ._ops import implementation_for, needs_autograd, ready_views
 from jattn._src import bridge
 
 # Outside torch.compile each op runs as an autograd.Function with the same implementation and
@@ -86,7 +86,7 @@ def _jax_option(op: str, name: str, value: Any) -> Any:
         return value
     if value not in DTYPES:
         raise TypeError(f"{op}: `{name}`={value} is not supported (no JAX dtype for it here); "
-                        f"pass one of the dtypes interop.torch.{op} documents.")
+                        f"pass one of the dtypes jattn.torch.{op} documents.")
     return DTYPES[value]
 
 
@@ -228,7 +228,7 @@ def _mixed_matmul_fake(a, qweight, scales, *rest):
 _BIAS = ("Tensor? bias",)
 _SCALED_MATMUL_NO_GRADIENT = (
     "scaled_matmul is a forward (inference) op and has no gradient (as jattn.scaled_matmul). "
-    "To train through an fp8 product, differentiate interop.torch.matmul on the dequantised "
+    "To train through an fp8 product, differentiate jattn.torch.matmul on the dequantised "
     "operands instead, e.g. jt.matmul(a.to(torch.bfloat16) * scale_a.reshape(-1, 1), "
     "b.to(torch.bfloat16) * scale_b.reshape(1, -1)).")
 

@@ -10,7 +10,7 @@ gradient formula (the dispatcher's per-call cost avoided), or that implementatio
 nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options);
 an eager flex forward that is one kernel on CUDA is launched without JAX (`_direct`).
 Torch-written mods reach the ops as a key naming their translations and the tensors they read
-on this call (`capture_mods`, `traced_mods`; `interop._capture`).
+on this call (`capture_mods`, `traced_mods`; `_capture.py`).
 This module holds the helpers every op uses and flex_attention; the GEMMs are in `_gemm_ops`,
 flex_decode in `_decode_ops`.
 """
@@ -32,10 +32,10 @@ import torch
 from torch import Tensor
 
 import jattn
-from interop._direct import DirectProgram
-from interop._capture import capture, lookup
-from interop._dlpack import jax_views, narrowed, to_torch, wait_for_torch
-from interop._translate import TranslatedMod
+from ._direct import DirectProgram
+from ._capture import capture, lookup
+from ._dlpack import jax_views, narrowed, to_torch, wait_for_torch
+from ._translate import TranslatedMod
 from jattn._src import bridge
 
 # ------------------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def needs_autograd(tensors) -> bool:
 
 def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
     """The op key of (score_mod, mask_mod) and the tensors they read now: score_mod's, then
-    mask_mod's (see `interop._capture`)."""
+    mask_mod's (see `_capture.py`)."""
     score, score_tensors = (None, ()) if score_mod is None else capture(score_mod, "score")
     mask, mask_tensors = (None, ()) if mask_mod is None else capture(mask_mod, "mask")
     key = f"{'' if score is None else score.key},{'' if mask is None else mask.key}"

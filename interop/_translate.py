@@ -1,6 +1,6 @@
 """A torch-written mod's graph -> a JAX function.
 
-`interop._capture` has Dynamo trace the mod on 0-d index tensors, as torch FlexAttention
+`_capture.py` has Dynamo trace the mod on 0-d index tensors, as torch FlexAttention
 traces it: the mod sees scalars, so chained indexing (`bias[b][h][q_idx]`), 0-d tensor indices
 and `new_*` constructors mean what they mean in torch. The graph is lowered to core ATen with
 torch's own decompositions (`make_fx`), and each core op is interpreted with its jnp

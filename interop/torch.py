@@ -1,6 +1,8 @@
 """jattn for PyTorch: the same kernels as torch ops (`torch.ops.jattn.*`), on torch tensors.
 
-Tensors cross to JAX and back without copies (see `interop._dlpack`); autograd and
+Users import the package (`import jattn.torch as jt`), which re-exports this module's names.
+
+Tensors cross to JAX and back without copies (see `_dlpack.py`); autograd and
 `torch.compile(fullgraph=True)` work through the registered custom ops. On CUDA tensors the
 Pallas-Triton kernels run, on CPU tensors the XLA implementation, unless `implementation` says
 otherwise.
@@ -17,9 +19,12 @@ import torch.nn.attention.flex_attention as _flex
 
 import jattn
 from jattn._src.bridge import check_pool_sizes
-from interop import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
-from interop._capture import capture
+from . import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
+from ._capture import capture
 
+__all__ = ["PagedKVCache", "b2b_matmul", "bmm", "create_block_mask", "flex_attention",
+           "flex_decode", "matmul", "mixed_matmul", "mm_plus_mm", "quantize_weight",
+           "scaled_matmul"]
 
 # ------------------------------------------------------------------------------------------------
 # GEMMs
@@ -32,6 +37,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 
     a: [..., M, K], b: [K, N], bias: [N] or None; bfloat16, float16 or float32 (a and b alike),
     all on one device. Returns [..., M, N] of a's dtype. Differentiable in a, b and bias.
+
+    Example::
+
+        a = torch.randn(4, 32, 64, requires_grad=True)  # [..., M, K] float32
+        b, bias = torch.randn(64, 16), torch.zeros(16)  # [K, N], [N]
+        out = jt.matmul(a, b, bias)
+        out.sum().backward()
+        print(out.shape, a.grad.shape)  # torch.Size([4, 32, 16]) torch.Size([4, 32, 64])
     """
     return _gemm_ops.run_op("matmul", a, b, bias, implementation)
 
@@ -39,7 +52,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
         implementation: str | None = None) -> torch.Tensor:
     """Batched a @ b + bias, as `jattn.bmm`: a [..., M, K], b [..., K, N] with broadcasting
-    batch dims, bias [N] or None. Returns [..., M, N] of a's dtype."""
+    batch dims, bias [N] or None; bfloat16, float16 or float32 (a and b alike), all on one
+    device. Returns [..., M, N] of a's dtype.
+
+    Example::
+
+        a = torch.randn(4, 64, 32, dtype=torch.bfloat16)  # [batch, M, K]
+        b = torch.randn(1, 32, 16, dtype=torch.bfloat16)  # [1, K, N]: shared by the batch
+        print(jt.bmm(a, b).shape)  # torch.Size([4, 64, 16])
+    """
     return _gemm_ops.run_op("bmm", a, b, bias, implementation)
 
 
@@ -52,6 +73,12 @@ def mm_plus_mm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tenso
     a: [..., M, K1], b: [K1, N], c: [..., M, K2] (a's leading dims; K2 may differ from K1),
     d: [K2, N], bias: [N] or None; bfloat16, float16 or float32 (a, b, c, d alike), all on one
     device. Returns [..., M, N] of a's dtype. Differentiable in a, b, c, d and bias.
+
+    Example::
+
+        a, b = torch.randn(64, 32), torch.randn(32, 16)  # [M, K1], [K1, N]
+        c, d = torch.randn(64, 48), torch.randn(48, 16)  # [M, K2], [K2, N]
+        print(jt.mm_plus_mm(a, b, c, d).shape)  # torch.Size([64, 16])
     """
     return _gemm_ops.run_op("mm_plus_mm", a, b, c, d, bias, implementation)
 
@@ -68,6 +95,13 @@ def b2b_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, *, side: str =
     supported from torch yet (a torch-written fn would need translating to JAX, as
     flex_attention's mods are); compose `matmul` calls instead, e.g.
     `matmul(fn(matmul(a, b)), c)`.
+
+    Example::
+
+        a = torch.randn(64, 32, dtype=torch.float16)  # [M, K]
+        b = torch.randn(32, 128, dtype=torch.float16)  # [K, P]
+        c = torch.randn(128, 16, dtype=torch.float16)  # [P, N]
+        print(jt.b2b_matmul(a, b, c).shape)  # torch.Size([64, 16])
     """
     return _gemm_ops.run_op("b2b_matmul", a, b, c, side, implementation)
 
@@ -86,6 +120,14 @@ def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     use_fast_accum: as torch._scaled_mm's (see `jattn.scaled_matmul`). All on one device.
     Returns [M, N] of out_dtype. Forward (inference) only: inputs may require grad, but
     backward through the result raises NotImplementedError (in compiled code too).
+
+    Example::
+
+        a = torch.randn(64, 32).to(torch.float8_e4m3fn)  # [M, K]
+        b = torch.randn(32, 16).to(torch.float8_e4m3fn)  # [K, N]
+        scale_a, scale_b = torch.tensor(0.5), torch.ones(16)  # tensor-wise, row-wise [N]
+        out = jt.scaled_matmul(a, b, scale_a, scale_b, out_dtype=torch.float32)
+        print(out.shape, out.dtype)  # torch.Size([64, 16]) torch.float32
     """
     return _gemm_ops.run_op("scaled_matmul", a, b, scale_a, scale_b, bias, out_dtype,
                             use_fast_accum, implementation)
@@ -95,11 +137,19 @@ def quantize_weight(w: torch.Tensor, bits: int = 8,
                     group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`jattn.quantize_weight` on a torch [K, N] weight (N output channels; for an
     nn.Linear, `linear.weight.T`): symmetric int8 or int4 with one scale per output channel
-    (group_size None) or per group of group_size K rows.
+    (group_size None) or per group of group_size K rows. w: a floating-point tensor.
 
     Returns (qweight, scales) on w's device, in jattn's quantised layout (see
     `jattn.quantize_weight`; its shapes are jattn's business): pass both to `mixed_matmul`
     unchanged. The scales have w's dtype and may be made learnable (`requires_grad_()`).
+    (For reference: qweight int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4); scales [N] or
+    [K / group_size, N].)
+
+    Example::
+
+        w = torch.randn(128, 64, dtype=torch.bfloat16)  # [K, N]
+        qweight, scales = jt.quantize_weight(w, bits=4, group_size=32)  # uint8, bfloat16
+        print(tuple(qweight.shape), tuple(scales.shape))  # (64, 64) (4, 64)
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"quantize_weight: `w` must be a torch.Tensor, got {type(w).__name__}.")
@@ -115,6 +165,14 @@ def mixed_matmul(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 
     a: [..., M, K] bfloat16 or float16; all on one device. Returns [..., M, N] of a's dtype.
     Differentiable in a and scales; the integer qweight is frozen.
+
+    Example::
+
+        linear = torch.nn.Linear(128, 64, bias=False, dtype=torch.bfloat16)  # K = 128, N = 64
+        qweight, scales = jt.quantize_weight(linear.weight.detach().T, bits=8)
+        x = torch.randn(8, 128, dtype=torch.bfloat16)  # [M, K]
+        out = jt.mixed_matmul(x, qweight, scales, bits=8)
+        print(out.shape, out.dtype)  # torch.Size([8, 64]) torch.bfloat16
     """
     return _gemm_ops.run_op("mixed_matmul", a, qweight, scales, bits, group_size,
                             implementation)
@@ -139,7 +197,7 @@ def _mask_tensors(block_mask, L: int, S: int, fn: str = "flex_attention"
 def _check_block_mask(block_mask, L: int, S: int, fn: str) -> None:
     if not isinstance(block_mask, _flex.BlockMask):
         raise TypeError(f"{fn}: `block_mask` must be a torch BlockMask (from "
-                        "interop.torch.create_block_mask or torch's create_block_mask), got "
+                        "jattn.torch.create_block_mask or torch's create_block_mask), got "
                         f"{type(block_mask).__name__}.")
     if tuple(block_mask.seq_lengths) != (L, S):
         raise ValueError(f"{fn}: block_mask was built for (Q_LEN, KV_LEN) = "
@@ -289,6 +347,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=True) torch's
     AuxOutput. In eager mode on CUDA, a forward that is one kernel compiled by the `triton`
     package is launched on torch's current stream without going through JAX (README).
+
+    Example::
+
+        q, k, v = torch.randn(3, 1, 2, 128, 32).unbind(0)  # each [B, H, L, E] float32
+        causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
+        mask = jt.create_block_mask(causal, None, None, 128, 128, device="cpu")
+        bias = lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx)
+        out, lse = jt.flex_attention(q, k, v, bias, block_mask=mask, return_lse=True)
+        print(out.shape, lse.shape)  # torch.Size([1, 2, 128, 32]) torch.Size([1, 2, 128])
     """
     want_lse = _lse_request(return_lse, return_aux)
     original, dtype = query, _compute_dtype(query)
@@ -361,7 +428,18 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     accepted and has no effect (the builder is JAX-compiled). The lists are shared with JAX
     without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
     or a JAX function; the BlockMask keeps it as given. Under torch.compile the builder runs
-    eagerly (a graph break: it is a JAX program, not torch ops)."""
+    eagerly (a graph break: it is a JAX program, not torch ops).
+
+    mask_mod takes int32 index tensors b, h, q_idx, kv_idx that broadcast to [B, H, q, kv] and
+    returns bool. The result is a `torch.nn.attention.flex_attention.BlockMask` with int32
+    lists, kv_num_blocks [B|1, H|1, nQ] and kv_indices [B|1, H|1, nQ, nKV] and the like.
+
+    Example::
+
+        window = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 64)
+        mask = jt.create_block_mask(window, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
+        print(mask.shape, mask.kv_indices.shape)  # (1, 1, 256, 256) torch.Size([1, 1, 4, 4])
+    """
     return _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
 
 
@@ -401,6 +479,15 @@ class PagedKVCache:
     page, -1 where none is assigned yet. Capacity per sequence: max_pages · page_size. Pass it
     to `flex_decode` as `k` with v=None. `assign` writes into the pools in place (JAX reads the
     same memory, no copy); which pages a sequence gets is the caller's choice.
+
+    Example::
+
+        cache = jt.PagedKVCache.create(4, 16, 2, 32, [[0, 1], [2, -1]], dtype=torch.float32)
+        new_k, new_v = torch.randn(2, 2, 2, 10, 32).unbind(0)  # each [B, Hkv, Ln, E]
+        cache.assign(new_k, new_v, torch.tensor([0, 0]))  # positions 0..9 of both sequences
+        q = torch.randn(2, 4, 1, 32)  # [B, Hq, Lq, E]
+        out = jt.flex_decode(q, cache, None, kv_len=torch.tensor([10, 10]))
+        print(cache.capacity, out.shape)  # 32 torch.Size([2, 4, 1, 32])
     """
 
     k_pages: torch.Tensor
@@ -495,6 +582,13 @@ def flex_decode(q: torch.Tensor, k, v: torch.Tensor | None, score_mod=None, bloc
     Returns out [B, Hq, Lq, Ev] of q's dtype (and the float32 natural-log LSE [B, Hq, Lq] with
     return_lse). Inference only: with grad mode on, an input (or tensor the mods close over)
     that requires grad raises NotImplementedError; train with `flex_attention`.
+
+    Example::
+
+        q = torch.randn(2, 8, 1, 64, dtype=torch.bfloat16)  # [B, Hq, 1, E]: one new token
+        k, v = torch.randn(2, 2, 2, 256, 64, dtype=torch.bfloat16).unbind(0)  # [B, Hkv, S, E]
+        out = jt.flex_decode(q, k, v, kv_len=torch.tensor([100, 256]))
+        print(out.shape, out.dtype)  # torch.Size([2, 8, 1, 64]) torch.bfloat16
     """
     if isinstance(k, PagedKVCache):
         if v is not None:
@@ -505,7 +599,7 @@ def flex_decode(q: torch.Tensor, k, v: torch.Tensor | None, score_mod=None, bloc
         page_table, S = None, k.shape[-2]
     else:
         raise TypeError(f"flex_decode: `k` and `v` must be torch tensors [B|1, Hkv, S, dim], or "
-                        f"`k` an interop.torch.PagedKVCache and v None; got "
+                        f"`k` a jattn.torch.PagedKVCache and v None; got "
                         f"{type(k).__name__} and {type(v).__name__}.")
     mask_tensors, block_size, seq_lengths = [], [128, 128], [S, S]
     if block_mask is not None:

@@ -22,4 +22,9 @@ from jattn._src.masks.block_mask import BlockMask as BlockMask
 from jattn._src.masks.create import create_block_mask as create_block_mask
 from jattn._src.masks.create import create_mask as create_mask
 
+__all__ = ["AttentionConfig", "B2BConfig", "BlockMask", "DecodeConfig", "MatmulConfig",
+           "PagedKVCache", "b2b_matmul", "bmm", "create_block_mask", "create_mask",
+           "dequantize_weight", "explain", "flex_attention", "flex_decode", "masks", "matmul",
+           "mixed_matmul", "mm_plus_mm", "mods", "quantize_weight", "scaled_matmul"]
+
 __version__ = "0.1.0"

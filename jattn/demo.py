@@ -134,12 +134,23 @@ def _gemms(report: _Report, on_gpu: bool) -> None:
                  scaled_matmul_reference(a8, b8, scale_a, scale_b, out_dtype=jnp.float32))
 
 
+def _torch_bridge_module():
+    """`jattn.torch` once installed; in a source checkout run in place, its folder `interop`."""
+    try:
+        import jattn.torch as jt
+    except ModuleNotFoundError as error:
+        if error.name != "jattn.torch":
+            raise
+        import interop as jt
+    return jt
+
+
 def _torch_bridge(report: _Report, on_gpu: bool) -> None:
     try:
         import torch
         from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-        import interop.torch as jt
+        jt = _torch_bridge_module()
     except ImportError:
         print("  torch bridge                             skipped (torch is not installed)")
         return

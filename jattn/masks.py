@@ -14,6 +14,7 @@ True where query `q_idx` may attend to key `kv_idx`.
 Example::
 
     mask = jattn.create_block_mask(jattn.masks.sliding_window(256), None, None, 4096, 4096)
+    print(mask.shape)  # (1, 1, 4096, 4096)
 """
 
 from jattn._src.masks.mods import and_masks as and_masks

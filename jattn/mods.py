@@ -11,7 +11,9 @@ gradients.
 
 Example::
 
+    q = k = v = jnp.ones((1, 4, 128, 32), jnp.float32)  # [B, H, L, E]
     out = jattn.flex_attention(q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(q.shape[1])))
+    print(out.shape)  # (1, 4, 128, 32)
 """
 
 from jattn._src.masks.mods import alibi as alibi

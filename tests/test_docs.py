@@ -1,4 +1,5 @@
-"""Every Python block of the docs runs, as written and on its own (a fresh interpreter each)."""
+"""Every Python block of the README and the docs runs, as written and on its own (a fresh
+interpreter each)."""
 
 import pathlib
 import re
@@ -12,7 +13,7 @@ _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def _blocks():
-    for page in sorted((ROOT / "docs").glob("*.md")):
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for number, match in enumerate(_BLOCK.finditer(page.read_text()), 1):
             yield pytest.param(match.group(1), id=f"{page.name}:{number}")
 

@@ -228,8 +228,19 @@ def explain(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     """Which implementation each jattn op inside `fn(*args, **kwargs)` would run, and why —
     the skipped ones with their reasons. Nothing is computed: `fn` is traced abstractly.
 
-    >>> print(jattn.explain(jattn.flex_attention, q, k, v, block_mask=mask))
-    flex_attention: xla (platform default (cpu))
+    Args:
+      fn: any callable; args, kwargs: its arguments (arrays of the shapes and dtypes it
+        takes, e.g. q, k, v [B, H, L, E] bfloat16 for flex_attention).
+
+    Returns:
+      str, one line per jattn op call ("no jattn op was called." when there is none).
+
+    Example::
+
+        q = k = v = jnp.ones((1, 2, 128, 64), jnp.bfloat16)  # [B, H, L, E]
+        mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 128, 128)
+        print(jattn.explain(jattn.flex_attention, q, k, v, block_mask=mask))
+        # flex_attention: xla (platform default (cpu))
     """
     with recording() as seen:
         jax.eval_shape(lambda: fn(*args, **kwargs))

@@ -3,7 +3,7 @@
 jax 0.11 hands a pallas_call's Triton IR to XLA, whose bundled Triton pipeline compiles it; for
 the flex attention forward that code ran slower on the H100 than the same IR compiled by the
 `triton` package (3.6, the compiler torch uses) at some configs and faster at others
-(benchmarks/RESULTS.md), so the kernel configs name their compiler. A pallas_call given
+(benchmarks/HISTORY.md), so the kernel configs name their compiler. A pallas_call given
 `compiler_params(..., compiler="triton")` is lowered to the same Triton IR by Pallas, run
 through Triton's IR passes and compiled to PTX by the `triton` package, and launched through
 jaxlib's `triton_kernel_call_ffi` custom call (the route jax <= 0.10 and jax-triton take).

@@ -230,7 +230,7 @@ def test_compiles_without_graph_breaks():
 
 def test_gradients_raise_inference_only():
     q, k, v = _qkv()
-    message = "flex_decode is inference-only .* use interop.torch.flex_attention"
+    message = "flex_decode is inference-only .* use jattn.torch.flex_attention"
     with pytest.raises(NotImplementedError, match=message):
         jt.flex_decode(q.requires_grad_(), k, v)
     table = torch.zeros(HQ, requires_grad=True)

@@ -189,7 +189,6 @@ def test_a_fresh_closure_each_step_reuses_one_program_and_frees_its_tensors():
     assert first() is None and all(ref() is None for ref in dead)
 
 
-@pytest.mark.slow
 def test_memory_stays_flat_over_many_steps_with_a_fresh_closure_each():
     q, k, v = (x[:, :, :32] for x in _qkv())
 

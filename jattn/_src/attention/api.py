@@ -217,9 +217,12 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     Example::
 
+        L = 256
+        q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, L, 32), jnp.bfloat16)
         mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
         out = jax.jit(lambda q, k, v: jattn.flex_attention(
             q, k, v, lambda s, b, h, q_idx, kv_idx: s + 0.1 * (kv_idx - q_idx), mask))(q, k, v)
+        print(out.shape, out.dtype)  # (1, 2, 256, 32) bfloat16
 
     Eager calls reuse compiled programs: a call with the same shapes, dtypes, options and mods
     (the same traced computation; a changed Python scalar inside a mod is a new one) neither

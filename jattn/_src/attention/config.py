@@ -17,6 +17,16 @@ class AttentionConfig:
     axis. num_warps / num_stages and bwd_num_warps / bwd_num_stages: Triton launch parameters.
     compiler: who compiles the forward kernel's Triton IR: "xla" (jax's own path) or "triton"
     (the `triton` package, where installed; otherwise it falls back to "xla").
+
+    All fields but `compiler` (a str) are Python ints: tiles powers of two >= 16, warps 1, 2, 4,
+    8 or 16, stages >= 1; invalid values raise ValueError. Frozen and hashable.
+
+    Example::
+
+        config = jattn.AttentionConfig(block_q=64, block_k=64, num_stages=3)
+        q = k = v = jnp.ones((1, 2, 128, 64), jnp.float32)  # [B, H, L, E]
+        out = jattn.flex_attention(q, k, v, config=config)  # (xla ignores the config)
+        print(out.shape)  # (1, 2, 128, 64)
     """
 
     block_q: int = 128
@@ -51,7 +61,7 @@ def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool
     """The default config for a head dim and a BlockMask block size; `masked`: the BlockMask
     has a mask_mod (partial blocks), which moves the D <= 64 optimum; `triton_compiler`: the
     `triton` package can compile the forward kernel."""
-    # H100 sweeps (benchmarks/RESULTS.md, "Forward tile sweep", same run as torch's compiled
+    # H100 sweeps (benchmarks/HISTORY.md, "Forward tile sweep", same run as torch's compiled
     # flex_attention). Compiled by the `triton` package: D128 without a mask_mod 128x64 w4 s4
     # (486/477 TFLOP/s against torch's 477/467; at L16k 508); D <= 64 128x64 w4 s5 (full 414,
     # causal 361 against torch's 406 / 349). With a mask_mod at D128, XLA's compile of 128x64

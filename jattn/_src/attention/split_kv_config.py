@@ -41,6 +41,17 @@ class DecodeConfig:
     num_warps, num_stages: Triton's warps per program and software-pipelining depth (loads kept
       in flight). num_splits: key ranges per (batch, kv head); None picks it from the SM count.
     compiler: who compiles the kernel's Triton IR, "xla" or "triton" (as AttentionConfig).
+
+    All fields but `compiler` (a str) and num_splits (int or None) are Python ints: tiles
+    powers of two >= 16, warps 1, 2, 4, 8 or 16, stages >= 1. Frozen and hashable.
+
+    Example::
+
+        q = jnp.ones((2, 8, 1, 64), jnp.float32)  # [B, Hq, Lq, E]
+        k = v = jnp.ones((2, 2, 256, 64), jnp.float32)  # [B, Hkv, S, E]
+        config = jattn.DecodeConfig(block_k=32, num_splits=4)
+        out = jattn.flex_decode(q, k, v, config=config)  # (xla ignores the config)
+        print(out.shape)  # (2, 8, 1, 64)
     """
 
     block_k: int = 64

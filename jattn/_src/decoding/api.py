@@ -211,9 +211,14 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
       or a position below 0) gives 0 and LSE -inf. Paged and contiguous caches with the same
       contents give bitwise equal results for the same config.
 
-    Example (one new token per sequence, caches of different lengths)::
+    Example::
 
-        out = jattn.flex_decode(q, k_cache, v_cache, kv_len=lengths)  # q [B, Hq, 1, E]
+        # one new token per sequence, caches of different lengths
+        q = jnp.ones((2, 8, 1, 64), jnp.bfloat16)  # q [B, Hq, 1, E]
+        k_cache = v_cache = jnp.ones((2, 2, 256, 64), jnp.bfloat16)  # [B, Hkv, S, E]
+        lengths = jnp.array([100, 256])
+        out = jattn.flex_decode(q, k_cache, v_cache, kv_len=lengths)
+        print(out.shape)  # (2, 8, 1, 64)
 
     Bad values raise ValueError when known (eager calls): kv_len outside [0, S], a page below
     kv_len unassigned or outside the pool. Under jit, where they cannot be checked, the rows of

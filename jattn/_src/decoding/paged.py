@@ -48,6 +48,20 @@ class PagedKVCache:
 
     A pytree: pass it through jax.jit. Updates are functional (`assign` returns a new cache);
     donate the cache to the jitted step so that XLA writes the pools in place.
+
+    Fields: k_pages [Hkv, num_pages, page_size, E] and v_pages [Hkv, num_pages, page_size, Ev]
+    of one dtype (bfloat16, float16 or float32 for flex_decode); page_table int32
+    [B, max_pages], -1 where unassigned. Capacity per sequence: max_pages · page_size.
+
+    Example::
+
+        table = jnp.array([[0, 1], [2, -1]])  # B = 2 sequences, up to 2 pages each
+        cache = jattn.PagedKVCache.create(4, 16, 2, 64, table, dtype=jnp.float32)
+        new_k = new_v = jnp.ones((2, 2, 10, 64), jnp.float32)  # [B, Hkv, Ln, E]
+        cache = cache.assign(new_k, new_v, jnp.array([0, 0]))  # positions 0..9 of each
+        q = jnp.ones((2, 4, 1, 64), jnp.float32)  # [B, Hq, Lq, E]
+        out = jattn.flex_decode(q, cache, None, kv_len=jnp.array([10, 10]))
+        print(cache.capacity, out.shape)  # 32 (2, 4, 1, 64)
     """
 
     k_pages: jax.Array
@@ -242,7 +256,7 @@ class PagedKVCache:
             moved = jnp.zeros((*table.shape[:3], physical_blocks + 1), bool)
             return moved.at[b, h, r, column[:, None, None, :]].set(table)[..., :-1]
 
-        logical_mask_mod, physical_mask_mod = block_mask.mask_mod, None
+        logical_mask_mod, mask_mod = block_mask.mask_mod, None
         if logical_mask_mod is not None:
             physical_to_logical = self.physical_to_logical(batch_idx)
 
@@ -250,11 +264,13 @@ class PagedKVCache:
                 owned, logical = self._logical_kv(physical_to_logical, b, kv_idx)
                 return owned & logical_mask_mod(b, h, q_idx, logical)
 
+            mask_mod = physical_mask_mod
+
         return BlockMask.from_dense_blocks(
             move(block_mask.partial_blocks()), move(block_mask.full_blocks()),
             block_size=block_mask.block_size,
             seq_lengths=(block_mask.seq_lengths[0], self.num_pages * self.page_size),
-            mask_mod=physical_mask_mod)
+            mask_mod=mask_mod)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k_pages", "v_pages", "page_table"],

@@ -356,7 +356,10 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
 
     Example::
 
+        x = jnp.ones((4, 32, 64), jnp.bfloat16)  # [..., M, K]
+        w, b = jnp.ones((64, 128), jnp.bfloat16), jnp.zeros((128,), jnp.float32)  # [K, N], [N]
         y = jattn.matmul(x, w, bias=b, epilogue=lambda t: jax.nn.gelu(t, approximate=True))
+        print(y.shape, y.dtype)  # (4, 32, 128) bfloat16
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     check_operands("matmul", a, b, b_max_ndim=2)
@@ -388,7 +391,15 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
 
     Leading (batch) dims broadcast as in numpy; an operand with batch size 1 is shared, not
     copied. bias [N], epilogue (indices are within each matrix), out_dtype, config,
-    implementation and precision are as in `matmul`.
+    implementation and precision are as in `matmul`. a and b: bfloat16, float16 or float32, one
+    dtype. Returns [broadcast batch..., M, N] of out_dtype (default a's dtype); differentiable
+    as `matmul`.
+
+    Example::
+
+        a = jnp.ones((4, 64, 32), jnp.float32)  # [batch, M, K]
+        b = jnp.ones((1, 32, 16), jnp.float32)  # [1, K, N]: shared by the batch
+        print(jattn.bmm(a, b).shape)  # (4, 64, 16)
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     check_operands("bmm", a, b, b_max_ndim=None)

@@ -149,6 +149,13 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     Returns:
       [..., M, N] of the input dtype. Differentiable in a, b, c and captured arrays (custom_vjp
       recomputing the intermediate; fn's derivative from `jax.vjp`).
+
+    Example::
+
+        x = jnp.ones((2, 64, 32), jnp.bfloat16)  # [..., M, K]
+        w1, w2 = jnp.ones((32, 128), jnp.bfloat16), jnp.ones((128, 16), jnp.bfloat16)
+        out = jattn.b2b_matmul(x, w1, w2, jax.nn.relu)  # an MLP: relu(x @ w1) @ w2
+        print(out.shape, out.dtype)  # (2, 64, 16) bfloat16
     """
     if side not in _SIDES:
         raise ValueError(f"{_OP}: `side` must be 'left' or 'right', got {side!r}.")

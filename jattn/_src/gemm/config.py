@@ -25,6 +25,16 @@ class MatmulConfig:
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     split_k: programs sharing one output tile along K; > 1 writes fp32 partial sums that XLA adds
       (use it when M·N has too few tiles to fill the GPU, e.g. decode-shaped M).
+
+    All fields are Python ints: tiles powers of two >= 16, warps 1, 2, 4, 8 or 16, the others
+    >= 1; invalid values raise ValueError. Frozen and hashable.
+
+    Example::
+
+        config = jattn.MatmulConfig(block_m=64, block_n=64, block_k=32, num_stages=2)
+        a, b = jnp.ones((128, 64), jnp.bfloat16), jnp.ones((64, 256), jnp.bfloat16)
+        out = jattn.matmul(a, b, config=config)  # (xla ignores the config)
+        print(out.shape, out.dtype)  # (128, 256) bfloat16
     """
 
     block_m: int = 128
@@ -70,7 +80,7 @@ def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
 def heuristic_config(m: int, n: int, k: int, dtype: np.dtype) -> MatmulConfig:
     """The default config for an [m, k] @ [k, n] product of `dtype` inputs.
 
-    The tile shapes are the H100 autotuning winners of benchmarks/RESULTS.md for bf16.
+    The tile shapes are the H100 autotuning winners of benchmarks/HISTORY.md for bf16.
     """
     itemsize = np.dtype(dtype).itemsize
     if m <= 64:
@@ -165,6 +175,17 @@ class B2BConfig:
       step (the intermediate never exists in memory whole).
     block_k: step along the first product's contraction dim K.
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+
+    All fields are Python ints: tiles powers of two >= 16, warps 1, 2, 4, 8 or 16, stages
+    >= 1; invalid values raise ValueError. Frozen and hashable.
+
+    Example::
+
+        config = jattn.B2BConfig(block_out=32, block_inner=32, block_k=32)
+        a = jnp.ones((128, 64), jnp.float16)  # [M, K]
+        b, c = jnp.ones((64, 96), jnp.float16), jnp.ones((96, 32), jnp.float16)  # [K, P], [P, N]
+        out = jattn.b2b_matmul(a, b, c, config=config)  # (xla ignores the config)
+        print(out.shape)  # (128, 32)
     """
 
     block_out: int = 64

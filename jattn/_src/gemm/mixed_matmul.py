@@ -161,6 +161,14 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
       [..., M, N] of a's dtype. Differentiable in `a` and `scales`; the integer `qweight` is
       frozen (jax.grad with respect to it raises, as for any integer input). The backward runs
       the dense GEMM on a temporary dequantised weight.
+
+    Example::
+
+        w = jax.random.normal(jax.random.key(0), (128, 64))  # [K, N] float32
+        qweight, scales = jattn.quantize_weight(w, bits=4, group_size=32)  # [N, K/2], [K/32, N]
+        a = jnp.ones((8, 128), jnp.bfloat16)  # [M, K]
+        out = jattn.mixed_matmul(a, qweight, scales, bits=4, group_size=32)
+        print(out.shape, out.dtype)  # (8, 64) bfloat16
     """
     quantize.check_bits(_OP, bits)
     a, qweight, scales = (jnp.asarray(x) for x in (a, qweight, scales))

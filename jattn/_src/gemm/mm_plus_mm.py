@@ -92,6 +92,13 @@ def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array, *,
       [..., M, N] of out_dtype. Differentiable in a, b, c, d, bias and captured arrays
       (custom_vjp: dA = dZ·Bᵀ, dB = Aᵀ·dZ, dC = dZ·Dᵀ, dD = Cᵀ·dZ through `jattn.matmul`'s
       kernel, dZ from `jax.vjp` of the epilogue).
+
+    Example::
+
+        a, b = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)  # K1 = 32
+        c, d = jnp.ones((64, 48), jnp.bfloat16), jnp.ones((48, 16), jnp.bfloat16)  # K2 = 48
+        out = jattn.mm_plus_mm(a, b, c, d, epilogue=jax.nn.relu, out_dtype=jnp.float32)
+        print(out.shape, out.dtype, out[0, 0])  # (64, 16) float32 80.0
     """
     a, b, c, d = (jnp.asarray(x) for x in (a, b, c, d))
     check_operands(_OP, a, b, b_max_ndim=2)

@@ -248,7 +248,7 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     pallas_triton_compile).
 
     Compiler: the `triton` package where installed, except for kernels with a user epilogue.
-    H100 A/B, same kernels (benchmarks/RESULTS.md): without an epilogue its code ran at
+    H100 A/B, same kernels (benchmarks/HISTORY.md): without an epilogue its code ran at
     0.96-1.04x XLA's compile of it at every bench_matmul shape, with bitwise equal results
     (and interop can then launch it without JAX); with the gelu epilogue at 0.91x.
     """

@@ -81,6 +81,12 @@ def quantize_weight(w: jax.Array, bits: int = 8, group_size: int | None = None, 
       (qweight, scales): qweight int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4), output
       channels major (see the module docstring); scales [N] (per channel) or
       [K / group_size, N].
+
+    Example::
+
+        w = jax.random.normal(jax.random.key(0), (128, 64), jnp.bfloat16)  # [K, N]
+        qweight, scales = jattn.quantize_weight(w, bits=8)
+        print(qweight.dtype, qweight.shape, scales.shape)  # int8 (64, 128) (64,)
     """
     op = "quantize_weight"
     check_bits(op, bits)
@@ -109,6 +115,21 @@ def dequantize_weight(qweight: jax.Array, scales: jax.Array, *, bits: int,
 
     For debugging and for the XLA path; `jattn.mixed_matmul` never materialises it on the GPU.
     Scales are [N] or [1, N] (per channel) or [K / group_size, N].
+
+    Args:
+      qweight, scales, bits, group_size: as `quantize_weight` returned and was given them:
+        qweight int8 [N, K] (bits=8) or uint8 [N, K/2] (bits=4); scales of any float dtype.
+      dtype: the output dtype (default float32).
+
+    Returns:
+      [K, N] of `dtype`.
+
+    Example::
+
+        w = jax.random.normal(jax.random.key(0), (128, 64))  # [K, N] float32
+        qweight, scales = jattn.quantize_weight(w, bits=4, group_size=32)
+        w2 = jattn.dequantize_weight(qweight, scales, bits=4, group_size=32)
+        print(w2.shape, w2.dtype, float(jnp.abs(w2 - w).max()) < 0.5)  # (128, 64) float32 True
     """
     return scale_values(integer_values(qweight, bits), scales, group_size=group_size,
                         dtype=dtype)

@@ -111,6 +111,14 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
     Returns:
       [M, N] of out_dtype. Not differentiable: a forward (inference) op, and jax.grad through it
       raises NotImplementedError (differentiate `jattn.matmul` on dequantised operands instead).
+
+    Example::
+
+        a = jnp.ones((64, 32), jnp.float8_e4m3fn)  # [M, K]
+        b = jnp.ones((32, 16), jnp.float8_e4m3fn)  # [K, N]
+        scale_a, scale_b = jnp.float32(0.5), jnp.full((16,), 2.0, jnp.float32)  # tensor, [N]
+        out = jattn.scaled_matmul(a, b, scale_a, scale_b)
+        print(out.shape, out.dtype, out[0, 0])  # (64, 16) bfloat16 32
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     _check_operands(a, b)

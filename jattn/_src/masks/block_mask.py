@@ -101,7 +101,16 @@ class BlockMask:
 
     Shapes (int32): kv_num_blocks [Bm, Hm, nQ]; kv_indices [Bm, Hm, nQ, nKV]; q_num_blocks
     [Bm, Hm, nKV]; q_indices [Bm, Hm, nKV, nQ]; the full_* fields alike or None. nQ and nKV are
-    the block counts, ceil(seq_length / block_size) per axis.
+    the block counts, ceil(seq_length / block_size) per axis. block_size and seq_lengths are
+    (q, kv) int pairs; `shape` is (Bm, Hm, Q_LEN, KV_LEN). Made by `jattn.create_block_mask`
+    or `BlockMask.from_kv_blocks`; a pytree, so it passes through jax.jit.
+
+    Example::
+
+        kv_num_blocks = jnp.array([[[1, 2]]], jnp.int32)  # [1, 1, nQ=2]: blocks per q block
+        kv_indices = jnp.array([[[[0, 1], [0, 1]]]], jnp.int32)  # [1, 1, 2, nKV=2]
+        mask = jattn.BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, block_size=64)
+        print(mask.shape, mask.to_dense()[0, 0].tolist())  # (1, 1, 128, 128) [[1, 0], [1, 1]]
     """
 
     kv_num_blocks: jax.Array

@@ -123,8 +123,10 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
 
     Example::
 
-        mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 4096, 4096)
-        out = jattn.flex_attention(q, k, v, block_mask=mask)  # q, k, v [B, H, 4096, E]
+        mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 256, 256)
+        q = k = v = jnp.ones((1, 2, 256, 32), jnp.bfloat16)  # q, k, v [B, H, 256, E]
+        out = jattn.flex_attention(q, k, v, block_mask=mask)
+        print(mask.num_blocks, out.shape)  # (2, 2) (1, 2, 256, 32)
     """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_block_mask", B, H, Q_LEN, KV_LEN)
     block_size = _pair("block_size", block_size)
@@ -140,9 +142,17 @@ def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int,
     """The dense [B, H, Q_LEN, KV_LEN] bool mask of `mask_mod` (B or H None: 1), for tests
     and debugging: it takes O(Q_LEN · KV_LEN) memory, which `create_block_mask` never does.
 
+    Args:
+      mask_mod: `f(b, h, q_idx, kv_idx) -> bool` on broadcastable int32 index arrays.
+      B, H: batch and heads (ints), or None for 1. Q_LEN, KV_LEN: ints >= 1.
+
+    Returns:
+      bool [B, H, Q_LEN, KV_LEN], True where the query attends to the key.
+
     Example::
 
         dense = jattn.create_mask(jattn.masks.sliding_window(4), None, None, 8, 8)  # [1,1,8,8]
+        print(dense.shape, dense.dtype)  # (1, 1, 8, 8) bool
     """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_mask", B, H, Q_LEN, KV_LEN)
     b, h = _index_grids(B, H)

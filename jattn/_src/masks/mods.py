@@ -19,17 +19,48 @@ from jattn._src.masks.block_mask import MaskMod
 # ---- masks ---------------------------------------------------------------------------------------
 
 def noop_mask(b, h, q_idx, kv_idx):
-    """Every pair attends."""
+    """Every pair attends.
+
+    Args:
+      b, h, q_idx, kv_idx: int32 arrays (batch, query head, query and key positions) that
+        broadcast together, e.g. [B, 1, 1, 1], [1, H, 1, 1], [1, 1, L, 1], [1, 1, 1, S].
+
+    Returns:
+      bool array that broadcasts with them, True where the query attends to the key.
+
+    Example::
+
+        dense = jattn.create_mask(jattn.masks.noop_mask, None, None, 4, 4)
+        print(dense.shape, bool(dense.all()))  # (1, 1, 4, 4) True
+    """
     return jnp.full(jnp.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)), True)
 
 
 def causal_mask(b, h, q_idx, kv_idx):
-    """Query i attends to keys 0..i (top-left aligned)."""
+    """Query i attends to keys 0..i (top-left aligned). Arguments and result as `noop_mask`.
+
+    Example::
+
+        dense = jattn.create_mask(jattn.masks.causal_mask, None, None, 4, 4)
+        print(dense.shape, int(dense.sum()))  # (1, 1, 4, 4) 10: the lower triangle
+    """
     return q_idx >= kv_idx
 
 
 def sliding_window(window: int) -> MaskMod:
-    """Causal attention to the last `window` keys, the query's own included."""
+    """Causal attention to the last `window` keys, the query's own included.
+
+    Args:
+      window: int >= 1, the keys each query attends to (itself and window - 1 before it).
+
+    Returns:
+      A mask_mod `f(b, h, q_idx, kv_idx) -> bool` on int32 indices (as `causal_mask`).
+
+    Example::
+
+        dense = jattn.create_mask(jattn.masks.sliding_window(2), None, None, 4, 4)
+        print(dense[0, 0].sum(axis=1))  # [1 2 2 2]; dense is bool (1, 1, 4, 4)
+    """
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window: `window` must be a positive int, got {window!r}.")
 
@@ -40,7 +71,19 @@ def sliding_window(window: int) -> MaskMod:
 
 
 def prefix_lm(prefix_length: int) -> MaskMod:
-    """Bidirectional attention inside the first `prefix_length` keys, causal after."""
+    """Bidirectional attention inside the first `prefix_length` keys, causal after.
+
+    Args:
+      prefix_length: int, the keys every query attends to (the bidirectional prefix).
+
+    Returns:
+      A mask_mod `f(b, h, q_idx, kv_idx) -> bool` on int32 indices (as `causal_mask`).
+
+    Example::
+
+        dense = jattn.create_mask(jattn.masks.prefix_lm(2), None, None, 4, 4)
+        print(dense[0, 0, 0])  # [ True  True False False]; dense is bool (1, 1, 4, 4)
+    """
     def prefix_lm_mask(b, h, q_idx, kv_idx):
         return (kv_idx < prefix_length) | (q_idx >= kv_idx)
 
@@ -48,7 +91,23 @@ def prefix_lm(prefix_length: int) -> MaskMod:
 
 
 def document_mask(segment_ids: jax.Array) -> MaskMod:
-    """Attention only within a document: segment_ids [L] (shared) or [B, L] (per batch)."""
+    """Attention only within a document: segment_ids [L] (shared) or [B, L] (per batch).
+
+    Args:
+      segment_ids: integer array [L] or [B, L], L >= Q_LEN and KV_LEN: the document of each
+        position; a query attends to keys with the same id. Closed over, so it becomes a
+        kernel input.
+
+    Returns:
+      A mask_mod `f(b, h, q_idx, kv_idx) -> bool` on int32 indices (as `causal_mask`).
+
+    Example::
+
+        ids = jnp.array([0, 0, 0, 1, 1, 2, 2, 2])  # three documents packed in L = 8
+        mask_mod = jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(ids))
+        dense = jattn.create_mask(mask_mod, None, None, 8, 8)
+        print(dense[0, 0, 4].astype(int))  # [0 0 0 1 1 0 0 0]; dense is bool (1, 1, 8, 8)
+    """
     segment_ids = jnp.asarray(segment_ids)
     if segment_ids.ndim not in (1, 2) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"document_mask: `segment_ids` must be an int array [L] or [B, L], got "
@@ -63,7 +122,21 @@ def document_mask(segment_ids: jax.Array) -> MaskMod:
 
 
 def and_masks(*masks: MaskMod) -> MaskMod:
-    """Attends where every mask attends."""
+    """Attends where every mask attends.
+
+    Args:
+      *masks: mask_mods `f(b, h, q_idx, kv_idx) -> bool`.
+
+    Returns:
+      A mask_mod, the elementwise AND of theirs (bool, broadcast shape of their results).
+
+    Example::
+
+        mask_mod = jattn.masks.and_masks(jattn.masks.causal_mask,
+                                         lambda b, h, q_idx, kv_idx: kv_idx % 2 == 0)
+        mask = jattn.create_block_mask(mask_mod, None, None, 256, 256, block_size=64)
+        print(mask.shape)  # (1, 1, 256, 256)
+    """
     def and_mask(b, h, q_idx, kv_idx):
         return functools.reduce(jnp.logical_and, (m(b, h, q_idx, kv_idx) for m in masks))
 
@@ -71,7 +144,21 @@ def and_masks(*masks: MaskMod) -> MaskMod:
 
 
 def or_masks(*masks: MaskMod) -> MaskMod:
-    """Attends where any mask attends."""
+    """Attends where any mask attends.
+
+    Args:
+      *masks: mask_mods `f(b, h, q_idx, kv_idx) -> bool`.
+
+    Returns:
+      A mask_mod, the elementwise OR of theirs (bool, broadcast shape of their results).
+
+    Example::
+
+        mask_mod = jattn.masks.or_masks(jattn.masks.sliding_window(32),
+                                        lambda b, h, q_idx, kv_idx: kv_idx < 4)  # + sinks
+        mask = jattn.create_block_mask(mask_mod, None, None, 256, 256, block_size=32)
+        print(mask.shape)  # (1, 1, 256, 256)
+    """
     def or_mask(b, h, q_idx, kv_idx):
         return functools.reduce(jnp.logical_or, (m(b, h, q_idx, kv_idx) for m in masks))
 
@@ -81,7 +168,21 @@ def or_masks(*masks: MaskMod) -> MaskMod:
 # ---- score mods ----------------------------------------------------------------------------------
 
 def alibi(slopes: jax.Array):
-    """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes [H] (learnable)."""
+    """ALiBi: score + slopes[h] * (kv_idx - q_idx); slopes [H] (learnable).
+
+    Args:
+      slopes: float array [H], one slope per query head (e.g. `alibi_slopes(H)`); closed over,
+        so it becomes a kernel input and receives gradients.
+
+    Returns:
+      A score_mod `f(score, b, h, q_idx, kv_idx) -> score`: float32 scores, int32 indices.
+
+    Example::
+
+        q = k = v = jnp.ones((1, 4, 128, 32), jnp.float32)  # [B, H, L, E]
+        out = jattn.flex_attention(q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(4)))
+        print(out.shape)  # (1, 4, 128, 32)
+    """
     slopes = jnp.asarray(slopes)
     def alibi_mod(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx).astype(score.dtype)
@@ -90,12 +191,37 @@ def alibi(slopes: jax.Array):
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
-    """The standard ALiBi slopes 2^(-8 i / H), i = 1..H, float32 [H]."""
+    """The standard ALiBi slopes 2^(-8 i / H), i = 1..H, float32 [H].
+
+    Args:
+      num_heads: int H, the number of query heads.
+
+    Returns:
+      float32 [H].
+
+    Example::
+
+        slopes = jattn.mods.alibi_slopes(4)
+        print(slopes.dtype, slopes.tolist())  # float32 [0.25, 0.0625, 0.015625, 0.00390625]
+    """
     return jnp.exp2(-8.0 * jnp.arange(1, num_heads + 1, dtype=jnp.float32) / num_heads)
 
 
 def softcap(cap: float):
-    """cap * tanh(score / cap) (Gemma 2 style logit soft-capping)."""
+    """cap * tanh(score / cap) (Gemma 2 style logit soft-capping).
+
+    Args:
+      cap: float > 0, the bound on |score|.
+
+    Returns:
+      A score_mod `f(score, b, h, q_idx, kv_idx) -> score`: float32 scores, int32 indices.
+
+    Example::
+
+        q = k = v = jnp.ones((1, 2, 128, 32), jnp.bfloat16)  # [B, H, L, E]
+        out = jattn.flex_attention(q, k, v, jattn.mods.softcap(50.0))
+        print(out.shape, out.dtype)  # (1, 2, 128, 32) bfloat16
+    """
     def softcap_mod(score, b, h, q_idx, kv_idx):
         return cap * jnp.tanh(score / cap)
 
@@ -103,7 +229,23 @@ def softcap(cap: float):
 
 
 def relative_position_bias(table: jax.Array):
-    """score + table[h, kv_idx - q_idx + R]; table [H, 2R+1] (learnable), offsets clamped to ±R."""
+    """score + table[h, kv_idx - q_idx + R]; table [H, 2R+1] (learnable), offsets clamped to ±R.
+
+    Args:
+      table: float array [H, 2R+1], a bias per query head and relative offset -R..R; closed
+        over, so it becomes a kernel input and receives gradients.
+
+    Returns:
+      A score_mod `f(score, b, h, q_idx, kv_idx) -> score`: float32 scores, int32 indices.
+
+    Example::
+
+        table = jnp.zeros((2, 17), jnp.float32)  # H = 2, R = 8
+        q = k = v = jnp.ones((1, 2, 64, 32), jnp.float32)
+        loss = lambda t: jattn.flex_attention(
+            q, k, v, jattn.mods.relative_position_bias(t)).sum()
+        print(jax.grad(loss)(table).shape)  # (2, 17)
+    """
     table = jnp.asarray(table)
     radius = (table.shape[-1] - 1) // 2
 

@@ -1,0 +1,169 @@
+"""RESULTS.md's tables and plots, from the benchmarks' JSON files.
+
+    python -m benchmarks.summarize [--results benchmarks/results] [--plots benchmarks/plots]
+
+Reads attention.json, decode.json and matmul.json (each written by its benchmark's --json),
+prints one Markdown table per file and draws one PNG per file (matplotlib, the `bench` extra).
+Files that are missing are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+from collections.abc import Callable
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+def _ratio(value) -> str:
+    return f"{value:.2f}" if isinstance(value, (int, float)) and math.isfinite(value) else "—"
+
+
+def _number(value) -> float:
+    return value if isinstance(value, (int, float)) else math.nan
+
+
+def attention_rows(rows: list[dict]) -> list[dict]:
+    """One entry per (shape, mask): forward/backward TFLOP/s and ratios."""
+    out = []
+    for row in rows:
+        if "jattn" not in row:  # create_block_mask rows
+            continue
+        entry = {"label": f"{row['case']} {row['mask']}", "jattn": row["jattn"]}
+        for side in ("torch_flex", "cudnn"):
+            ratio = row.get(f"vs_{side}", {})
+            entry[side] = (_number(ratio.get("fwd")), _number(ratio.get("bwd")))
+        out.append(entry)
+    return out
+
+
+def attention_table(rows: list[dict]) -> str:
+    lines = ["| shape, mask | jattn fwd / bwd TFLOP/s | × torch flex fwd / bwd | × cuDNN fwd / bwd |",
+             "|---|---|---|---|"]
+    for e in attention_rows(rows):
+        lines.append(f"| {e['label']} | {e['jattn']['fwd']:.0f} / {e['jattn']['bwd']:.0f} | "
+                     f"{_ratio(e['torch_flex'][0])} / {_ratio(e['torch_flex'][1])} | "
+                     f"{_ratio(e['cudnn'][0])} / {_ratio(e['cudnn'][1])} |")
+    return "\n".join(lines)
+
+
+def decode_rows(rows: list[dict]) -> list[dict]:
+    return [row for row in rows if "jattn" in row]
+
+
+def decode_table(rows: list[dict]) -> str:
+    lines = ["| batch, cache | jattn GB/s | × torch flex decoding | × SDPA (no mods) |",
+             "|---|---|---|---|"]
+    for row in decode_rows(rows):
+        lines.append(f"| {row['case']} | {row['jattn']['GBps']:.0f} | "
+                     f"{_ratio(row['vs'].get('torch_flex'))} | "
+                     f"{_ratio(row['vs'].get('torch_sdpa'))} |")
+    return "\n".join(lines)
+
+
+def matmul_table(rows: list[dict]) -> str:
+    lines = ["| problem | jattn TFLOP/s | × XLA | × torch |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['case']} | {row['tflops']['jattn']:.0f} | "
+                     f"{_ratio(row['vs_xla'])} | {_ratio(row['vs_torch'])} |")
+    return "\n".join(lines)
+
+
+def _bars(axis, labels: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        axis.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    axis.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, rotation=30,
+                    ha="right", fontsize=8)
+    axis.set_ylabel(ylabel)
+    axis.legend(fontsize=8)
+
+
+def _title(environment: dict, what: str) -> str:
+    return f"{what} — {environment['device']}, {environment['date']}, jax {environment['jax']}"
+
+
+def attention_plot(data: dict, figure) -> None:
+    entries = attention_rows(data["rows"])
+    labels = [e["label"] for e in entries]
+    for column, (axis, direction) in enumerate(zip(figure.subplots(1, 2), ("forward", "backward"))):
+        _bars(axis, labels, {f"× {name}": [e[side][column] for e in entries]
+                             for side, name in (("torch_flex", "torch FlexAttention"),
+                                                ("cudnn", "cuDNN"))},
+              f"jattn {direction} speed ratio")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+    figure.suptitle(_title(data["environment"], "FlexAttention (bf16), higher is better"))
+
+
+def decode_plot(data: dict, figure) -> None:
+    rows = decode_rows(data["rows"])
+    axis = figure.subplots()
+    _bars(axis, [row["case"] for row in rows],
+          {"jattn": [row["jattn"]["GBps"] for row in rows],
+           "torch SDPA (no mods)": [_number(row["torch_sdpa"]) for row in rows],
+           "torch flex decoding": [_number(row["torch_flex"]) for row in rows]},
+          "K+V read, GB/s")
+    ceiling = next((row["copy_ceiling_GBps"] for row in data["rows"]
+                    if "copy_ceiling_GBps" in row), None)
+    if ceiling:
+        axis.axhline(ceiling, color="black", linewidth=0.8, linestyle="--",
+                     label="copy ceiling (read + write)")
+        axis.legend(fontsize=8)
+    figure.suptitle(_title(data["environment"], "Flex decoding, Hq32 Hkv8 D128 bf16"))
+
+
+def matmul_plot(data: dict, figure) -> None:
+    rows = data["rows"]
+    axis = figure.subplots()
+    _bars(axis, [row["case"] for row in rows],
+          {"× XLA": [row["vs_xla"] for row in rows], "× torch": [row["vs_torch"] for row in rows]},
+          "jattn.matmul speed ratio")
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    figure.suptitle(_title(data["environment"], "GEMM (bf16), higher is better"))
+
+
+SUMMARIES: dict[str, tuple[Callable[[list], str], Callable]] = {
+    "attention": (attention_table, attention_plot),
+    "decode": (decode_table, decode_plot),
+    "matmul": (matmul_table, matmul_plot),
+}
+
+
+def summarize(results: pathlib.Path, plots: pathlib.Path | None) -> str:
+    """The Markdown tables of every results file present; draws their plots into `plots`."""
+    sections = []
+    for name, (table, plot) in SUMMARIES.items():
+        path = results / f"{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        environment = data["environment"]
+        sections.append(f"{name}.json: {environment['device']}, {environment['date']}, jax "
+                        f"{environment['jax']}, torch {environment['torch']}, triton "
+                        f"{environment['triton']}\n\n{table(data['rows'])}")
+        if plots is not None:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            from matplotlib.figure import Figure
+
+            figure = Figure(figsize=(11, 4.5), layout="constrained")
+            plot(data, figure)
+            plots.mkdir(parents=True, exist_ok=True)
+            figure.savefig(plots / f"{name}.png", dpi=110)
+    return "\n\n".join(sections)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=pathlib.Path, default=HERE / "results")
+    parser.add_argument("--plots", type=pathlib.Path, default=HERE / "plots")
+    args = parser.parse_args()
+    print(summarize(args.results, args.plots))
+
+
+if __name__ == "__main__":
+    main()

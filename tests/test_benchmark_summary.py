@@ -1,0 +1,49 @@
+"""benchmarks/summarize.py: RESULTS.md's tables and plots from the benchmarks' JSON rows."""
+
+import json
+
+import pytest
+
+from benchmarks import summarize
+
+ENVIRONMENT = {"date": "2026-11-25", "device": "NVIDIA H100 80GB HBM3", "python": "3.11",
+               "jax": "0.11.2", "jaxlib": "0.11.2", "torch": "2.11.0", "triton": "3.6.0"}
+ATTENTION = [
+    {"case": "B4 H16 L4096 D128", "mask": "causal", "jattn": {"fwd": 400.0, "bwd": 340.0},
+     "vs_torch_flex": {"fwd": 1.08, "bwd": 1.06}, "vs_cudnn": {"fwd": 0.81, "bwd": 0.74}},
+    {"case": "B4 H16 L4096 D128", "mask": "softcap", "jattn": {"fwd": 220.0, "bwd": 200.0},
+     "vs_torch_flex": {"fwd": 1.2, "bwd": 1.1}},
+    {"L": 32768, "jattn_s": 0.001},  # a create_block_mask row
+]
+DECODE = [{"copy_ceiling_GBps": 3000.0},
+          {"case": "B8 S32k", "jattn": {"GBps": 3008.0}, "torch_sdpa": 3038.0,
+           "torch_flex": 967.0, "vs": {"torch_flex": 3.11, "torch_sdpa": 0.99}},
+          {"case": "B1 S8k", "jattn": {"GBps": 900.0}, "torch_sdpa": "error: unsupported",
+           "torch_flex": 50.0, "vs": {"torch_flex": 18.0}}]
+MATMUL = [{"case": "8192^3", "tflops": {"jattn": 675.0, "xla": 723.0, "torch": 706.0},
+           "vs_xla": 0.933, "vs_torch": 0.956}]
+
+
+@pytest.fixture
+def results(tmp_path):
+    for name, rows in (("attention", ATTENTION), ("decode", DECODE), ("matmul", MATMUL)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"environment": ENVIRONMENT,
+                                                           "rows": rows}))
+    return tmp_path
+
+
+def test_tables_hold_the_ratios_of_every_row(results):
+    text = summarize.summarize(results, plots=None)
+    assert "| B4 H16 L4096 D128 causal | 400 / 340 | 1.08 / 1.06 | 0.81 / 0.74 |" in text
+    assert "| B4 H16 L4096 D128 softcap | 220 / 200 | 1.20 / 1.10 | — / — |" in text
+    assert "| B8 S32k | 3008 | 3.11 | 0.99 |" in text and "| B1 S8k | 900 | 18.00 | — |" in text
+    assert "| 8192^3 | 675 | 0.93 | 0.96 |" in text
+    assert text.count("NVIDIA H100 80GB HBM3, 2026-11-25") == 3
+
+
+def test_plots_are_drawn_for_each_file_present(results, tmp_path):
+    (results / "matmul.json").unlink()
+    summarize.summarize(results, plots=tmp_path / "plots")
+    drawn = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert drawn == ["attention.png", "decode.png"]
+    assert all((tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in drawn)
