@@ -115,6 +115,11 @@ def bench_case(name, B, H, L, D, kind) -> dict:
     row = {"case": name, "mask": kind, "create_block_mask_s": mask_s,
            "jattn": _jax_fwd_bwd(lambda q, k, v: jattn.flex_attention(q, k, v, score_mod,
                                                                       block_mask), sets, flops)}
+    try:  # the Mosaic GPU forward (Triton backward behind it), where it supports the call
+        row["jattn_mosaic"] = _jax_fwd_bwd(lambda q, k, v: jattn.flex_attention(
+            q, k, v, score_mod, block_mask, implementation="pallas_mosaic_gpu"), sets, flops)
+    except ValueError as error:
+        row["jattn_mosaic"] = {"error": str(error)[:200]}
 
     # torch FlexAttention, compiled, same mods (alibi/softcap are causal too)
     t_score, t_mask = _torch_mods(kind, H, L)
@@ -144,6 +149,7 @@ def bench_case(name, B, H, L, D, kind) -> dict:
         blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
         row["cudnn"] = _jax_fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"), blhd, flops)
+        row["attention_mgpu_fp16"] = _attention_mgpu_forward(blhd, causal, flops)
         try:
             from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
@@ -154,7 +160,24 @@ def bench_case(name, B, H, L, D, kind) -> dict:
     for side in ("torch_flex", "cudnn"):
         if side in row:
             row[f"vs_{side}"] = {d: row["jattn"][d] / row[side][d] for d in ("fwd", "bwd")}
+            if "fwd" in row["jattn_mosaic"]:
+                row[f"mosaic_vs_{side}"] = {d: row["jattn_mosaic"][d] / row[side][d]
+                                            for d in ("fwd", "bwd")}
     return row
+
+
+def _attention_mgpu_forward(blhd_sets, causal: bool, flops: float) -> dict:
+    """JAX's own Mosaic GPU flash attention forward (float16 only in jax 0.11), [B, L, H, D]."""
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                             causal=causal)
+        sets = [[x.astype(jnp.float16) for x in s] for s in blhd_sets]
+        seconds = time_jax(lambda q, k, v: attention_mgpu.attention(q, k, v, config), sets)
+        return {"fwd": flops / seconds / 1e12}
+    except Exception as error:  # an API that moves between JAX versions: report, go on
+        return {"error": f"{type(error).__name__}: {error}"[:200]}
 
 
 # Forward configs of the sweep by head dim: (block_q, block_k, num_warps, num_stages, compiler).
@@ -262,12 +285,16 @@ def main():
             r = bench_case(name, B, H, L, D, kind)
             rows.append(r)
             line = f"{name:>20} {kind:>11}: jattn {r['jattn']['fwd']:6.1f}/{r['jattn']['bwd']:6.1f}"
-            for side in ("torch_flex", "cudnn", "pallas_mha"):
+            for side in ("jattn_mosaic", "torch_flex", "cudnn", "pallas_mha"):
                 if side in r and "fwd" in r[side]:
                     line += f"  {side} {r[side]['fwd']:6.1f}/{r[side]['bwd']:6.1f}"
+            if "fwd" in r.get("attention_mgpu_fp16", {}):
+                line += f"  attention_mgpu(fp16) {r['attention_mgpu_fp16']['fwd']:6.1f}"
             line += (f"  vs torch {r['vs_torch_flex']['fwd']:.2f}/{r['vs_torch_flex']['bwd']:.2f}"
                      f"  first call {r['jattn']['first_call_s']:.1f}s"
-                     f" (torch {r['torch_flex']['first_call_s']:.1f}s)")
+                     f" (torch {r['torch_flex']['first_call_s']:.1f}s"
+                     + (f", mosaic {r['jattn_mosaic']['first_call_s']:.1f}s"
+                        if "first_call_s" in r["jattn_mosaic"] else "") + ")")
             print(line, flush=True)
             record.write(args.json, rows)
     if args.block_mask:

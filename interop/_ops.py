@@ -34,7 +34,7 @@ from torch import Tensor
 import jattn
 from ._direct import DirectProgram
 from ._capture import capture, lookup
-from ._dlpack import jax_views, narrowed, to_torch, wait_for_torch
+from ._dlpack import DTYPES, jax_views, narrowed, to_torch, wait_for_torch
 from ._translate import TranslatedMod
 from jattn._src import bridge
 
@@ -43,10 +43,12 @@ from jattn._src import bridge
 # ------------------------------------------------------------------------------------------------
 
 
-def implementation_for(fn: str, device: torch.device, implementation: Optional[str]) -> str:
+def implementation_for(fn: str, device: torch.device, implementation: Optional[str],
+                       **facts) -> str:
     """The jattn implementation of op `fn` for tensors on `device`: jattn's own choice for that
-    platform ($JATTN_IMPLEMENTATION included); a named one must run there."""
-    return bridge.resolve(fn, implementation, on_cuda=device.type == "cuda")
+    platform ($JATTN_IMPLEMENTATION included); a named one must run there. facts: what the
+    op's implementations judge support by (as jattn's own call of the op passes them)."""
+    return bridge.resolve(fn, implementation, on_cuda=device.type == "cuda", **facts)
 
 
 def ready_views(fn: str, tensors: Sequence[Tensor | jax.Array | None],
@@ -276,13 +278,22 @@ def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Se
     return device, arrays[:first], arrays[first:first + n], arrays[first + n:]
 
 
-def _flex_static(device, mods, block_size, seq_lengths, scale, enable_gqa, implementation,
-                 config) -> dict:
-    """The static jit arguments of a flex op call on tensors on `device`."""
+def flex_facts(q, v, n_captures: int) -> dict:
+    """What flex_attention's implementations judge support by, besides the lengths and block
+    size: dtype, head dims and how many arrays the mods read (q, v: tensors or JAX arrays)."""
+    dtype = DTYPES.get(q.dtype, q.dtype)  # a torch dtype, as JAX's
+    return dict(dtype=dtype, head_dim=q.shape[-1], value_dim=v.shape[-1], captures=n_captures)
+
+
+def _flex_static(device, facts, mods, block_size, seq_lengths, scale, enable_gqa,
+                 implementation, config) -> dict:
+    """The static jit arguments of a flex op call on tensors on `device` (facts: `flex_facts`
+    of the call, for the implementation choice)."""
+    chosen = implementation_for("flex_attention", device, implementation,
+                                seq_lengths=tuple(seq_lengths), block_size=tuple(block_size),
+                                **facts)
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
-                scale=scale, enable_gqa=enable_gqa,
-                implementation=implementation_for("flex_attention", device, implementation),
-                config=config)
+                scale=scale, enable_gqa=enable_gqa, implementation=chosen, config=config)
 
 
 _FORWARD_TENSORS = ("q", "k", "v")
@@ -294,7 +305,8 @@ def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
     device, qkv, lists, capture_arrays = ready_op_views(
         "flex_attention", _FORWARD_TENSORS, (q, k, v), mask_tensors, captures,
         kv_only=True)
-    out, lse = _flex_program(True, **_flex_static(device, *static))(*qkv, lists, capture_arrays)
+    options = _flex_static(device, flex_facts(qkv[0], qkv[2], len(capture_arrays)), *static)
+    out, lse = _flex_program(True, **options)(*qkv, lists, capture_arrays)
     return out, lse, device
 
 
@@ -321,8 +333,10 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
         "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
         captures)
     grads = _flex_backward(*leading, lists, capture_arrays,
-                           **_flex_static(device, mods, block_size, seq_lengths, scale,
-                                          enable_gqa, implementation, config))
+                           **_flex_static(device,
+                                          flex_facts(leading[2], leading[4], len(capture_arrays)),
+                                          mods, block_size, seq_lengths, scale, enable_gqa,
+                                          implementation, config))
     return [to_torch(g, device) for g in grads]
 
 
@@ -439,16 +453,17 @@ class FlexPlan:
 
 
 # (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
-# scale, enable_gqa, implementation, config, device type) -> FlexPlan; the latest made are
+# q's dtype, head dims, scale, enable_gqa, implementation, config, device type) -> FlexPlan;
+# the latest made are
 # kept (a lookup does not reorder: it is on every call's path).
 FLEX_PLANS: OrderedDict[tuple, FlexPlan] = OrderedDict()
 _MAX_FLEX_PLANS = 256
 _PLANS_LOCK = threading.Lock()
 
 
-def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
-    """The plan of `key` (FLEX_PLANS' layout), made on first use. The caller has validated the
-    mask layout."""
+def flex_plan(key: tuple, device: torch.device, facts: dict) -> FlexPlan:
+    """The plan of `key` (FLEX_PLANS' layout, which holds `facts`' values), made on first use.
+    The caller has validated the mask layout."""
     plan = FLEX_PLANS.get(key)
     if plan is not None:
         return plan
@@ -456,7 +471,7 @@ def flex_plan(key: tuple, device: torch.device) -> FlexPlan:
         implementation, config, _ = key
     static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation,
               config)
-    options = _flex_static(device, *static)
+    options = _flex_static(device, facts, *static)
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None
     if bridge.launches_directly(options["implementation"]):

@@ -1,8 +1,12 @@
-"""Markers: `gpu` tests run only where JAX sees a CUDA device; `slow` marks long CPU tests."""
+"""Markers: `gpu` tests run only where JAX sees a CUDA device. The CPU platform has 8 devices
+(forced host devices) for the multi-device tests; single-device tests run on the first."""
 
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch too
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
 
 import pytest
 

@@ -47,7 +47,10 @@ class Backend:
 XLA = Backend("xla", ("cpu", "gpu"), pallas=False)
 PALLAS_TRITON = Backend("pallas_triton", ("gpu",), pallas=True, direct_launch=True)
 INTERPRET = Backend("interpret", ("cpu", "gpu"), pallas=True, interpret=True)
-BACKENDS = {backend.name: backend for backend in (PALLAS_TRITON, XLA, INTERPRET)}
+# Hopper kernels on Mosaic GPU (TMA, wgmma, warp specialisation); flex_attention's forward only.
+PALLAS_MOSAIC_GPU = Backend("pallas_mosaic_gpu", ("gpu",), pallas=True)
+BACKENDS = {backend.name: backend
+            for backend in (PALLAS_TRITON, XLA, INTERPRET, PALLAS_MOSAIC_GPU)}
 
 # The order tried on each platform when the caller names no implementation: the first that
 # supports the call wins.

@@ -17,11 +17,13 @@ __all__ = ["MaskLists", "check_pool_sizes", "flex_attention", "flex_attention_ba
            "launches_directly", "resolve", "single_kernel_launch"]
 
 
-def resolve(op: str, implementation: str | None, *, on_cuda: bool) -> str:
+def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> str:
     """The implementation of an `op` call on CUDA tensors (on_cuda) or CPU ones: jattn's own
-    choice for that platform, $JATTN_IMPLEMENTATION included; a named one must run there."""
+    choice for that platform, $JATTN_IMPLEMENTATION included; a named one must run there.
+    facts: the call's facts that implementations judge support by (see backends.resolve)."""
     try:
-        return backends.resolve(op, implementation, platform="gpu" if on_cuda else "cpu").name
+        return backends.resolve(op, implementation, platform="gpu" if on_cuda else "cpu",
+                                **facts).name
     except ValueError as error:
         if on_cuda or implementation is None:
             raise

@@ -19,9 +19,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 
-from jattn._src.user_functions import jaxpr_and_consts
+from jattn._src.jaxpr_eval import evaluate
 
 _TOTAL_BITS = 62  # an int64 sum of fixed-point values stays below 2**62 in magnitude
 
@@ -48,36 +47,14 @@ def scatter_add(operand, indices, updates, **params):
     return jnp.where(finite.all(), result, jnp.nan).astype(operand.dtype)
 
 
-def _evaluate(closed: Any, *args: Any) -> list[Any]:
-    """Evaluates a jaxpr with every float scatter-add (also inside nested jits) summed by
-    `scatter_add`; every other equation binds as usual."""
-    jaxpr, consts = jaxpr_and_consts(closed)
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-
-    def read(var):
-        return var.val if isinstance(var, jex_core.Literal) else env[var]
-
-    for eqn in jaxpr.eqns:
-        inputs = [read(var) for var in eqn.invars]
-        params = eqn.params
-        if eqn.primitive is lax.scatter_add_p and jnp.issubdtype(eqn.invars[0].aval.dtype,
-                                                                  jnp.floating):
-            outputs = [scatter_add(*inputs, dimension_numbers=params["dimension_numbers"],
-                                   indices_are_sorted=params["indices_are_sorted"],
-                                   unique_indices=params["unique_indices"],
-                                   mode=params["mode"])]
-        elif eqn.primitive.name in ("pjit", "jit"):
-            outputs = _evaluate(params["jaxpr"], *inputs)
-        else:
-            bind_params, subfunctions = eqn.primitive.get_bind_params(params), ()
-            if isinstance(bind_params, tuple):  # older jax: (subfunctions, params)
-                subfunctions, bind_params = bind_params
-            outputs = eqn.primitive.bind(*subfunctions, *inputs, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outputs = [outputs]
-        env.update(zip(eqn.outvars, outputs))
-    return [read(var) for var in jaxpr.outvars]
+def _integer_scatter_add(primitive, operands, params):
+    """The rewrite of `jaxpr_eval.evaluate` that sums float scatter-adds in integers."""
+    if primitive is not lax.scatter_add_p or not jnp.issubdtype(operands[0].dtype,
+                                                                 jnp.floating):
+        return None
+    return [scatter_add(*operands, dimension_numbers=params["dimension_numbers"],
+                        indices_are_sorted=params["indices_are_sorted"],
+                        unique_indices=params["unique_indices"], mode=params["mode"])]
 
 
 def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], Any]]:
@@ -94,6 +71,6 @@ def vjp(fn: Callable[..., Any], *primals: Any) -> tuple[Any, Callable[[Any], Any
             return result
 
         closed = jax.make_jaxpr(flat_pullback)(*leaves)
-        return out_tree[0].unflatten(_evaluate(closed, *leaves))
+        return out_tree[0].unflatten(evaluate(closed, *leaves, rewrite=_integer_scatter_add))
 
     return out, deterministic_pullback

@@ -34,6 +34,12 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
+def is_hopper() -> bool:
+    """Whether JAX's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return isinstance(capability, str) and capability.startswith("9.")
+
+
 def num_sms() -> int:
     """SMs of the default device (JAX reports them for GPUs; elsewhere an H100's count)."""
     return getattr(jax.devices()[0], "core_count", None) or H100_NUM_SMS

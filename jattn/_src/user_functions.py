@@ -14,13 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend.core import jaxpr_as_fun
 
-
-def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
-    """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
-    the consts beside `.jaxpr`."""
-    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+from jattn._src.jaxpr_eval import evaluate, jaxpr_and_consts
 
 
 def _with_consts(closed: Any, consts: Sequence[Any]) -> Any:
@@ -60,7 +55,7 @@ class TracedFunction:
 
     def __call__(self, captures: Sequence[Any], *args: Any) -> list[Any]:
         consts = [captures[slot] for slot in self.capture_slots]
-        return jaxpr_as_fun(_with_consts(self.closed_jaxpr, consts))(*args)
+        return evaluate(_with_consts(self.closed_jaxpr, consts), *args)
 
 
 class CaptureSet:

@@ -10,13 +10,17 @@ import pytest
 
 import jattn
 from jattn._src.attention.reference import attention_reference
+from tests.attention.golden import check_against_golden
 from tests.helpers import (COMPILED_IMPLEMENTATIONS, IMPLEMENTATIONS, assert_bitwise_equal_runs,
-                           assert_close, golden, low_precision, map_reference, random,
+                           assert_close, golden, low_precision, random,
                            random_cotangent_vjp)
 
 # Small kernel tiles and mask blocks so that test shapes span several blocks and ragged tails.
 SMALL = jattn.AttentionConfig(block_q=32, block_k=16, bwd_block_q=16, bwd_block_k=32)
 BLOCK = 32
+
+# The golden check at the small tiles (config= overrides them).
+_check = functools.partial(check_against_golden, config=SMALL)
 
 
 def _segments(length):
@@ -43,32 +47,6 @@ def _inputs(rng, B, Hq, Hkv, L, S, E, Ev, dtype, kv_batch=None):
     kv_batch = B if kv_batch is None else kv_batch
     return (random(rng, (B, Hq, L, E), dtype), random(rng, (kv_batch, Hkv, S, E), dtype),
             random(rng, (kv_batch, Hkv, S, Ev), dtype))
-
-
-def _check(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True, seed=0,
-           config=SMALL):
-    """Output, LSE and random-cotangent gradients (q, k, v) against the golden."""
-    run = functools.partial(jattn.flex_attention, score_mod=score_mod, block_mask=block_mask,
-                            enable_gqa=True, return_lse=True, config=config, implementation=impl)
-    ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask)
-    out, lse = jax.jit(run)(q, k, v)
-    gold_out, gold_lse = golden(ref, q, k, v)
-    low_out, low_lse = low_precision(ref, q, k, v)
-    assert_close(out, gold_out, low_out, what="out")
-    finite = np.isfinite(gold_lse)
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    assert_close(jnp.where(finite, lse, 0), np.where(finite, gold_lse, 0),
-                 map_reference(lambda x: jnp.where(finite, x, 0), low_lse), what="lse")
-    if not grads:
-        return
-    rng = np.random.default_rng(seed)
-    cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
-    ours = jax.jit(lambda *x: random_cotangent_vjp(run, x, cotangent))(q, k, v)
-    gold = golden(lambda q, k, v, c: random_cotangent_vjp(ref, (q, k, v), c), q, k, v, cotangent)
-    low = low_precision(lambda q, k, v, c: random_cotangent_vjp(ref, (q, k, v), c), q, k, v,
-                        cotangent)
-    for name, g, g64, g_low in zip("qkv", ours, gold, low):
-        assert_close(g, g64, g_low, what=f"d{name}")
 
 
 def _masks_and_mods(impl, mask, mod, config=SMALL):

@@ -13,11 +13,12 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from jattn._src import backends, precision
-from jattn._src.attention import pallas_triton, xla
+from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, checked_mask_mod, checked_score_mod,
                                          trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
+from jattn._src.mesh_axes import summed_to_vary_like
 from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
@@ -102,6 +103,10 @@ def _full_block_mask(L: int, S: int) -> BlockMask:
 _OP = "flex_attention"
 backends.register_xla_and_kernels(_OP, xla, pallas_triton, config_class=AttentionConfig,
                                   heuristic=heuristic_config)
+backends.register(backends.Implementation(
+    _OP, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
+    unsupported=pallas_mosaic_gpu.unsupported, config_class=AttentionConfig,
+    heuristic=heuristic_config))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -151,6 +156,8 @@ def _flex_bwd(p: Problem, res: Residuals, cotangents):
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
         dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
                                                               d_lse.astype(jnp.float32))
+    dq, dk, dv = (summed_to_vary_like(d, x) for d, x in ((dq, res.q), (dk, res.k), (dv, res.v)))
+    d_caps = [summed_to_vary_like(d, c) for d, c in zip(d_caps, res.score_captures)]
     return dq, dk, dv, None, tuple(d_caps), None
 
 
@@ -308,8 +315,6 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     dense = block_mask is None
     if dense:
         block_mask = _full_block_mask(L, S)
-    implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
-                                      value_dim=Ev)
     scale = float(E ** -0.5 if scale is None else scale)
     precision_name = precision.canonical(_OP, precision_name)
 
@@ -320,6 +325,10 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
                           with_vjp=False)
+    implementation = backends.resolve(
+        _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
+        block_size=block_mask.block_size,
+        captures=len(score_set.captures) + len(mask_set.captures))
     lists = block_mask.lists()
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -24,6 +23,7 @@ from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import LOG2_E
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.mesh_axes import aligned, out_struct
 from jattn._src.pallas_triton_lookup import call_in_kernel
 
 
@@ -147,6 +147,8 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
     """(dq, dk, dv) of flex attention; d_lse is the natural-log LSE's cotangent."""
     cfg = p.config
     bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
+    q, k, v, masks, score_caps, mask_caps, out, lse, d_out, d_lse = aligned(
+        q, k, v, masks, score_caps, mask_caps, out, lse, d_out, d_lse)
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     q_span = tiles.cdiv(p.L, p.mask_block[0]) * p.mask_block[0]
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
@@ -177,7 +179,7 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
                   pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3]),
                   *[tiles.whole(x) for x in (*kv_lists, *caps)]],
         out_specs=pl.BlockSpec((None, None, bq, e_pad), q_index),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, q),
         compiler_params=params, interpret=interpret, name="jattn_flex_bwd_dq",
     )(q, k, v, d_out, lse2, delta, *kv_lists, *caps)
 
@@ -207,8 +209,8 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
                   *[tiles.whole(x) for x in (*q_lists, *caps)]],
         out_specs=[pl.BlockSpec((None, None, bk, e_pad), per_batch),
                    pl.BlockSpec((None, None, bk, ev_pad), per_batch)],
-        out_shape=[jax.ShapeDtypeStruct((p.B, p.Hkv, p.S, p.E), grad_dtype),
-                   jax.ShapeDtypeStruct((p.B, p.Hkv, p.S, p.Ev), grad_dtype)],
+        out_shape=[out_struct((p.B, p.Hkv, p.S, p.E), grad_dtype, q),
+                   out_struct((p.B, p.Hkv, p.S, p.Ev), grad_dtype, q)],
         compiler_params=params, interpret=interpret, name="jattn_flex_bwd_dkdv",
     )(q, k, v, d_out, lse2, delta, *q_lists, *caps)
     if p.kv_batch == 1:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -18,6 +17,7 @@ from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Problem
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.mesh_axes import aligned, out_struct
 from jattn._src.pallas_triton_compile import compiler_params
 
 
@@ -66,7 +66,8 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 def forward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps):
     """(out [B, Hq, L, Ev], lse [B, Hq, L] float32 natural log)."""
     bq = p.config.block_q
-    lists = masks.major("kv")
+    q, k, v, lists, score_caps, mask_caps = aligned(q, k, v, masks.major("kv"), score_caps,
+                                                    mask_caps)
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
 
@@ -88,8 +89,8 @@ def forward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps):
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, bq, ev_pad), q_index),
                    pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3])],
-        out_shape=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.Ev), q.dtype),
-                   jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
+        out_shape=[out_struct((p.B, p.Hq, p.L, p.Ev), q.dtype, q),
+                   out_struct((p.B, p.Hq, p.L), jnp.float32, q)],
         compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
                                         compiler=p.config.compiler),
         interpret=p.interpret,

@@ -106,6 +106,16 @@ def _weighted_rows(weights, rows, spec: str, **einsum_options):
                     guarded)
 
 
+def _zeros(shape, dtype, *inputs) -> jax.Array:
+    """Zeros of `shape` that, under shard_map, vary over every mesh axis one of `inputs` varies
+    over: a scan's initial carry must have the type of the carry its step computes from them.
+    Outside shard_map, plain zeros."""
+    zero = jnp.zeros((), dtype)
+    for x in jax.tree.leaves(inputs):
+        zero = zero + jnp.zeros_like(x, dtype, shape=())
+    return jnp.broadcast_to(zero, shape)
+
+
 def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],
             mask_captures: Sequence[Any]):
     """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] float32, natural log)."""
@@ -126,8 +136,9 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
             e.astype(v.dtype), v_block, "bhglk,bhke->bhgle", preferred_element_type=jnp.float32)
         return (m_new, l, acc), None
 
-    init = (jnp.full(shape, MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros((*shape, p.Ev), jnp.float32))
+    inputs = (q, k, v, lists, score_captures, mask_captures)
+    init = (_zeros(shape, jnp.float32, *inputs) + MASK_VALUE, _zeros(shape, jnp.float32, *inputs),
+            _zeros((*shape, p.Ev), jnp.float32, *inputs))
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns(lists))
@@ -197,9 +208,12 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
                         preferred_element_type=jnp.float32)
         return (dq, d_caps), (dk, dv)
 
-    zeros_caps = [jnp.zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]))
-                  for i in learnable]
-    dq0 = jnp.zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32)
+    inputs = (q, k, v, lists, score_captures, mask_captures, out, lse, d_out, d_lse)
+    # A capture's gradient per block has the capture's own type (under shard_map, the pullback
+    # of a replicated array sums the devices' parts), and so does their sum.
+    zeros_caps = [_zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]),
+                         score_captures[i]) for i in learnable]
+    dq0 = _zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32, *inputs)
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns(lists))

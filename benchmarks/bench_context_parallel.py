@@ -1,0 +1,135 @@
+"""ring_flex_attention across devices against flex_attention on one device, same run.
+
+    python -m benchmarks.bench_context_parallel [--lengths 32768,131072] [--masks causal,document]
+                                                [--smoke] [--json out.json]
+
+For each device count (1, 2, 4, ... up to the devices present) and layout: forward+backward
+time of the ring over a mesh of that many devices, and of flex_attention on the whole sequence
+on one device where it fits. Also, for 2, 4 and 8 devices whatever is present, the work balance
+of a simulated ring: attended (query, key) blocks per device under each layout (max / mean).
+--smoke: small shapes, for a CPU with forced host devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=8).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jattn
+from benchmarks import record
+from benchmarks.timing import time_jax, warm_up
+
+SEQ = P(None, None, "seq")
+BLOCK = 128
+
+
+def _mask(kind: str, length: int):
+    if kind == "causal":
+        return jattn.masks.causal_mask
+    documents = max(1, length // 4096)  # documents of 4k tokens, causal inside
+
+    def document(b, h, q_idx, kv_idx):
+        return (q_idx // (length // documents) == kv_idx // (length // documents)) & (
+            q_idx >= kv_idx)
+
+    return document
+
+
+def _loss_grad(attention, cotangent):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32),
+                                                     cotangent), argnums=(0, 1, 2)))
+
+
+def time_ring(devices: int, layout: str, mask_mod, q, k, v, cotangent) -> float:
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
+
+    def local(q, k, v):
+        return jattn.ring_flex_attention(q, k, v, mask_mod=mask_mod, axis_name="seq",
+                                         layout=layout, block_size=BLOCK)
+
+    ring = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    sharded = NamedSharding(mesh, SEQ)
+    args = [jax.device_put(x, sharded) for x in (q, k, v)]
+    step = _loss_grad(ring, jax.device_put(cotangent, sharded))
+    return time_jax(step, [args])
+
+
+def time_whole(mask_mod, q, k, v, cotangent) -> float:
+    length = q.shape[2]
+    block_mask = jattn.create_block_mask(mask_mod, None, None, length, length,
+                                         block_size=BLOCK)
+    step = _loss_grad(lambda q, k, v: jattn.flex_attention(q, k, v, block_mask=block_mask),
+                      cotangent)
+    return time_jax(step, [[q, k, v]])
+
+
+def work_balance(mask_mod, length: int, devices: int, layout: str) -> float:
+    """max / mean of the attended blocks per device of a ring over `devices`."""
+    partial, full = jattn.create_block_mask(mask_mod, None, None, length, length,
+                                            block_size=BLOCK).lists().dense()
+    visited = np.asarray(partial | full)[0, 0]  # [query blocks, key blocks]
+    order = np.arange(length)
+    if layout == "zigzag":
+        order = np.asarray(jattn.to_zigzag(order[None, None, :, None], devices))[0, 0, :, 0]
+    rows = order[::BLOCK] // BLOCK
+    per_device = np.split(rows, devices)
+    work = np.array([visited[r].sum() for r in per_device], np.float64)
+    return float(work.max() / work.mean())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--masks", default="causal,document")
+    parser.add_argument("--smoke", action="store_true", help="small shapes (CPU)")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    heads, dim, dtype = (2, 32, jnp.float32) if args.smoke else (16, 128, jnp.bfloat16)
+    lengths = [2048] if args.smoke else [int(x) for x in args.lengths.split(",")]
+    present = len(jax.devices())
+    counts = [d for d in (1, 2, 4, 8) if d <= present]
+    print(f"device: {jax.devices()[0].device_kind} x {present}; jax {jax.__version__}")
+    warm_up()
+    rows = []
+    for length in lengths:
+        keys = jax.random.split(jax.random.key(0), 4)
+        q, k, v, cotangent = (jax.random.normal(key, (1, heads, length, dim), dtype)
+                              for key in keys)
+        for kind in args.masks.split(","):
+            mask_mod = _mask(kind, length)
+            try:
+                whole = time_whole(mask_mod, q, k, v, cotangent)
+            except Exception as error:  # out of memory at the longest lengths
+                whole = float("nan")
+                print(f"  one device, whole sequence: {type(error).__name__}", flush=True)
+            for devices in counts:
+                for layout in ("contiguous", "zigzag"):
+                    seconds = time_ring(devices, layout, mask_mod, q, k, v, cotangent)
+                    row = {"length": length, "mask": kind, "devices": devices,
+                           "layout": layout, "ring_ms": seconds * 1e3,
+                           "whole_one_device_ms": whole * 1e3,
+                           "speedup_vs_one_device": whole / seconds}
+                    rows.append(row)
+                    print(f"L {length:>6} {kind:>8} {devices} devices {layout:>10}: ring "
+                          f"{seconds * 1e3:9.2f} ms  one device {whole * 1e3:9.2f} ms  "
+                          f"speed-up {whole / seconds:5.2f}", flush=True)
+                    record.write(args.json, rows)
+            for devices in (2, 4, 8):
+                balance = {layout: work_balance(mask_mod, length, devices, layout)
+                           for layout in ("contiguous", "zigzag")}
+                rows.append({"length": length, "mask": kind, "simulated_devices": devices,
+                             "work_max_over_mean": balance})
+                print(f"L {length:>6} {kind:>8} simulated ring of {devices}: work max/mean "
+                      f"contiguous {balance['contiguous']:.2f}, zigzag {balance['zigzag']:.2f}",
+                      flush=True)
+    record.write(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""flex_attention with its forward on Mosaic GPU (Hopper) and its backward on Pallas-Triton.
+
+The forward kernel (`pallas_mosaic_gpu_fwd`) feeds K/V tiles by TMA to two wgmma warpgroups.
+Its LSE follows the convention of the Triton kernels, so their backward runs behind it
+unchanged. What it supports is narrower than pallas_triton's, and `unsupported` says so; the
+registry then falls back with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jattn._src import hardware
+from jattn._src.attention import pallas_triton
+from jattn._src.attention.common import Mods, Problem, trace_mods
+from jattn._src.attention.config import AttentionConfig
+from jattn._src.masks.block_mask import BlockMask, MaskLists
+from jattn._src.user_functions import CaptureSet
+
+CONSUMERS = 2  # consumer warpgroups per program
+ROWS = 64  # query rows per consumer warpgroup: one wgmma M
+BLOCK = (CONSUMERS * ROWS, 128)  # the BlockMask blocks one program walks: its q and kv tiles
+STAGES = 2  # K/V slots in shared memory: 3 do not fit at head dim 128
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HEAD_DIMS = (64, 128)
+
+
+def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
+                block_size=None, captures=0, **facts) -> str | None:
+    """Why the Mosaic GPU forward cannot run a call (None when it can)."""
+    if not hardware.is_hopper():
+        return f"it needs a Hopper GPU (sm_90), not {hardware.device_kind()}."
+    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
+        return f"it takes bfloat16 or float16 inputs, not {jnp.dtype(dtype)}."
+    if head_dim is not None and (head_dim not in HEAD_DIMS or value_dim != head_dim):
+        return (f"it takes head dims 64 or 128 with equal q/k and v head dims, not E={head_dim},"
+                f" Ev={value_dim}.")
+    if block_size is not None and tuple(block_size) != BLOCK:
+        return f"it walks BlockMasks of {BLOCK} blocks, not {tuple(block_size)}."
+    if seq_lengths is not None and any(n % 128 for n in seq_lengths):
+        return f"it takes lengths that are multiples of 128, not L, S = {tuple(seq_lengths)}."
+    if captures:
+        return "its mods cannot read captured arrays yet (pallas_triton's can)."
+    return None
+
+
+def _tile_signature():
+    tile = (ROWS, BLOCK[1])
+    index = jax.ShapeDtypeStruct(tile, jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    return jax.ShapeDtypeStruct(tile, jnp.float32), (scalar, scalar, index, index)
+
+
+def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
+               block_mask: BlockMask, dense: bool, config: AttentionConfig | None) -> Problem:
+    """p with the Triton backward's config and mods, and the forward's mods traced at the
+    Mosaic kernel's register tile (indices as full [64, 128] tiles, b and h scalars)."""
+    p = pallas_triton.specialise(p, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
+                                 mask_set=mask_set, block_mask=block_mask, dense=dense,
+                                 config=config)
+    found = len(score_set.captures), len(mask_set.captures)
+    fwd = trace_mods(score_mod, mask_mod, score_set, mask_set, *_tile_signature(),
+                     with_vjp=False)
+    if (len(score_set.captures), len(mask_set.captures)) != found or any(found):
+        raise NotImplementedError("flex_attention: implementation='pallas_mosaic_gpu' cannot "
+                                  "run mods that read captured arrays yet; use "
+                                  "implementation='pallas_triton'.")
+    return dataclasses.replace(p, fwd=fwd, decode=None)
+
+
+def _kernel_shape(p: Problem, has_full: bool):
+    from jattn._src.attention.pallas_mosaic_gpu_fwd import KernelShape
+
+    return KernelShape(B=p.B, Hq=p.Hq, Hkv=p.Hkv, L=p.L, S=p.S, E=p.E,
+                              kv_batch=p.kv_batch, mask_batch=p.mask_batch,
+                              mask_heads=p.mask_heads, block_kv=BLOCK[1], stages=STAGES,
+                              scale=p.scale, has_full=has_full)
+
+
+def _without_captures(fn):
+    return None if fn is None else lambda *args: fn((), *args)[0]
+
+
+def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
+    """(out, lse) as the XLA forward's."""
+    # Imported here: JAX's Mosaic GPU modules need absl, which a CPU-only install may lack.
+    from jattn._src.attention import pallas_mosaic_gpu_fwd as kernel
+
+    del score_caps, mask_caps  # none: `unsupported` keeps mods with captures away
+    mods: Mods = p.fwd
+    return kernel.forward(_kernel_shape(p, lists.has_full), q, k, v, lists.major("kv"),
+                          _without_captures(mods.score), _without_captures(mods.mask))
+
+
+backward = pallas_triton.backward

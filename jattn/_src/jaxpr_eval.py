@@ -1,0 +1,66 @@
+"""Evaluating a traced user function's jaxpr where it is used, with optional rewrites.
+
+A jaxpr is traced once, outside any `shard_map`; evaluated inside one, its equations see
+operands that vary over mesh axes next to constants and literals that do not, which JAX's
+primitives reject (tracing would have inserted the casts). `evaluate` inserts them: each
+equation's operands are cast to vary over every axis one of them varies over. Outside
+shard_map (and inside Pallas kernels) nothing varies and equations bind as traced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+
+from jattn._src.mesh_axes import aligned, varying_axes
+
+# (primitive, operands, params) -> outputs, or None to bind as usual.
+Rewrite = Callable[[Any, list[Any], dict[str, Any]], "list[Any] | None"]
+
+
+def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
+    the consts beside `.jaxpr`."""
+    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+
+
+def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[Any]:
+    """The outputs of a closed jaxpr at `args`: nested jits inlined (and, where operands vary
+    over mesh axes, custom_jvp calls too: their inner jaxpr holds unvarying constants), each
+    equation's operands aligned over mesh axes, and `rewrite` given the first refusal."""
+    jaxpr, consts = jaxpr_and_consts(closed)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(var):
+        return var.val if isinstance(var, jex_core.Literal) else env[var]
+
+    for eqn in jaxpr.eqns:
+        params = eqn.params
+        if eqn.primitive.name == "pvary":  # a cast traced in: cast only where still needed
+            operand = read(eqn.invars[0])
+            missing = tuple(sorted(set(params["axes"]) - varying_axes(operand)))
+            outputs = [jax.lax.pcast(operand, missing, to="varying") if missing else operand]
+            env.update(zip(eqn.outvars, outputs))
+            continue
+        operands = [read(var) for var in eqn.invars]
+        varying = any(varying_axes(x) for x in operands)
+        if varying:
+            operands = aligned(*operands)
+        outputs = None if rewrite is None else rewrite(eqn.primitive, operands, params)
+        if outputs is None and eqn.primitive.name in ("pjit", "jit"):
+            outputs = evaluate(params["jaxpr"], *operands, rewrite=rewrite)
+        elif outputs is None and eqn.primitive.name == "custom_jvp_call" and varying:
+            outputs = evaluate(params["call_jaxpr"], *operands, rewrite=rewrite)
+        elif outputs is None:
+            bind_params, subfunctions = eqn.primitive.get_bind_params(params), ()
+            if isinstance(bind_params, tuple):  # older jax: (subfunctions, params)
+                subfunctions, bind_params = bind_params
+            outputs = eqn.primitive.bind(*subfunctions, *operands, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outputs = [outputs]
+        env.update(zip(eqn.outvars, outputs))
+    return [read(var) for var in jaxpr.outvars]

@@ -1,0 +1,62 @@
+"""Kernels called inside `jax.shard_map`: the mesh axes their operands and outputs vary over.
+
+With shard_map's default type checking a pallas_call's outputs must say which mesh axes they
+vary over. A kernel's outputs vary over every axis one of its operands varies over, so
+`aligned` casts the operands to that union and `out_struct` gives each output the same type.
+Outside shard_map nothing varies and both return plain values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def varying_axes(x: Any) -> frozenset:
+    """The mesh axes x varies over inside shard_map (empty elsewhere)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; other versions: `vma`
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def aligned(*operands: Any) -> list[Any]:
+    """The operands (array leaves; None passes through) cast to vary over the union of their
+    mesh axes."""
+    leaves = [x for x in jax.tree.leaves(operands) if x is not None]
+    axes = frozenset().union(*(varying_axes(x) for x in leaves))
+    if not axes:
+        return list(operands)
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(jnp.asarray(x), missing, to="varying") if missing else x
+
+    return [jax.tree.map(cast, x) for x in operands]
+
+
+def summed_to_vary_like(cotangent: Any, primal: Any) -> Any:
+    """A cotangent summed over the mesh axes it varies over and its primal does not (inside
+    shard_map, a replicated input's gradient is the sum of every device's part), so that a
+    custom_vjp backward returns its input's type."""
+    if cotangent is None:
+        return None
+    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent
+
+
+_STRUCT_FIELD = next((name for name in ("manual_axis_type", "vma")
+                      if name in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
+
+
+def out_struct(shape, dtype, like: Any) -> jax.ShapeDtypeStruct:
+    """A kernel output of `shape` and `dtype` varying as the (aligned) operand `like` does."""
+    if _STRUCT_FIELD is None or not varying_axes(like):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    aval = jax.typeof(like)
+    value = getattr(aval, _STRUCT_FIELD)
+    return jax.ShapeDtypeStruct(shape, dtype, **{_STRUCT_FIELD: value})

@@ -1,0 +1,90 @@
+"""Where each device's sequence shard sits in the global sequence, and the zigzag reordering.
+
+contiguous: device i holds positions [i·c, (i+1)·c) of a sequence split into n chunks of c.
+zigzag: the sequence is split into 2n chunks of c/2; device i holds chunks i and 2n−1−i, so under
+a causal mask every device has the same amount of work (an early chunk and a late one).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def check_layout(layout: str, shard_length: int, fn: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{fn}: `layout` must be one of {LAYOUTS}, got {layout!r}.")
+    if layout == "zigzag" and shard_length % 2:
+        raise ValueError(f"{fn}: layout='zigzag' splits each device's shard in two halves, so "
+                         f"its length must be even, got {shard_length}.")
+
+
+def global_positions(local, device, num_devices: int, shard_length: int, layout: str):
+    """The global positions of local indices `local` (int32 array) of the shard held by
+    `device` (an int or a traced int32 scalar)."""
+    if layout == "contiguous":
+        return local + device * shard_length
+    half = shard_length // 2
+    late = 2 * num_devices - 1 - device
+    return jnp.where(local < half, local + device * half, local - half + late * half)
+
+
+def _zigzag_order(num_devices: int) -> list[int]:
+    """The original chunk index of each zigzag chunk: 0, 2n−1, 1, 2n−2, ..."""
+    return [c for i in range(num_devices) for c in (i, 2 * num_devices - 1 - i)]
+
+
+def _check_split(x: jax.Array, num_devices: int, axis: int, fn: str) -> None:
+    length = x.shape[axis]
+    if num_devices < 1 or length % (2 * num_devices):
+        raise ValueError(f"{fn}: the sequence axis {axis} of length {length} must split into "
+                         f"2 x num_devices = {2 * num_devices} equal chunks (x {x.shape}).")
+
+
+def to_zigzag(x: jax.Array, num_devices: int, axis: int = 2) -> jax.Array:
+    """x with its sequence axis reordered so that sharding it evenly over `num_devices` gives
+    device i the chunks i and 2·num_devices−1−i of the original order (layout="zigzag").
+
+    Args:
+      x: any array whose `axis` (default 2, as in [B, H, L, E]) has a length divisible by
+        2·num_devices.
+      num_devices: the size of the mesh axis the sequence is sharded over.
+      axis: the sequence axis.
+
+    Returns:
+      An array of x's shape and dtype; `from_zigzag` undoes it.
+
+    Example::
+
+        x = jnp.arange(8)[None, None, :, None]        # [B, H, L, E], positions 0..7
+        print(jattn.to_zigzag(x, 2)[0, 0, :, 0])       # [0 1 6 7 2 3 4 5]
+    """
+    _check_split(x, num_devices, axis, "to_zigzag")
+    chunks = jnp.split(x, 2 * num_devices, axis=axis)
+    return jnp.concatenate([chunks[i] for i in _zigzag_order(num_devices)], axis=axis)
+
+
+def from_zigzag(x: jax.Array, num_devices: int, axis: int = 2) -> jax.Array:
+    """The inverse of `to_zigzag`: a zigzag-ordered sequence axis back in its original order.
+
+    Args:
+      x: an array in the zigzag order along `axis` (default 2).
+      num_devices: the size of the mesh axis, as given to `to_zigzag`.
+      axis: the sequence axis.
+
+    Returns:
+      An array of x's shape and dtype.
+
+    Example::
+
+        x = jnp.arange(8)[None, None, :, None]
+        print(jattn.from_zigzag(jattn.to_zigzag(x, 2), 2)[0, 0, :, 0])   # [0 1 2 3 4 5 6 7]
+    """
+    _check_split(x, num_devices, axis, "from_zigzag")
+    chunks = jnp.split(x, 2 * num_devices, axis=axis)
+    original = [None] * len(chunks)
+    for position, chunk in zip(_zigzag_order(num_devices), chunks):
+        original[position] = chunk
+    return jnp.concatenate(original, axis=axis)

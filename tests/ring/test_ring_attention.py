@@ -1,0 +1,159 @@
+"""ring_flex_attention across forced CPU devices: exactly flex_attention on the whole sequence
+(output, LSE, gradients of q, k, v and a learnable table), both layouts, skipped pairs counted."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jattn
+from jattn._src.attention.reference import attention_reference
+from jattn._src.ring.attention import ring_steps
+from tests.helpers import assert_close, golden, low_precision, random, random_cotangent_vjp
+
+SEQ = P(None, None, "seq")
+L, E = 256, 16
+
+
+def _mesh(n):
+    if len(jax.devices("cpu")) < n:
+        pytest.fail(f"needs {n} CPU devices: tests/conftest.py forces 8 host devices")
+    return Mesh(np.array(jax.devices("cpu")[:n]), ("seq",))
+
+
+def _documents(b, h, q_idx, kv_idx):  # four documents of 64 positions, causal inside
+    return (q_idx // 64 == kv_idx // 64) & (q_idx >= kv_idx)
+
+
+MASKS = {"causal": jattn.masks.causal_mask, "sliding": jattn.masks.sliding_window(40),
+         "document": _documents, "full": None}
+TABLE = jnp.asarray(np.random.default_rng(0).standard_normal((4, 2 * L - 1)) * 0.1, jnp.float32)
+
+
+def _alibi_softcap(score, b, h, q_idx, kv_idx):
+    return 10.0 * jnp.tanh(score / 10.0) - jnp.exp2(-(h + 1.0)) * jnp.abs(q_idx - kv_idx)
+
+
+def _ring(n, mask_mod, score_mod, layout, *, enable_gqa=False):
+    def local(q, k, v):
+        out, lse, launched = ring_steps(q, k, v, score_mod, mask_mod, axis_name="seq",
+                                        layout=layout, scale=None, enable_gqa=enable_gqa,
+                                        implementation="xla", block_size=16)
+        return out, lse, launched[None]
+
+    return jax.jit(jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3,
+                                 out_specs=(SEQ, SEQ, P("seq"))))
+
+
+def _block_mask(mask_mod):
+    return None if mask_mod is None else jattn.create_block_mask(mask_mod, None, None, L, L,
+                                                                 block_size=16)
+
+
+def _whole(mask_mod, score_mod):
+    """The float64-capable reference of flex_attention on the whole sequence: (out, lse)."""
+    return functools.partial(attention_reference, score_mod=score_mod,
+                             block_mask=_block_mask(mask_mod))
+
+
+def _reorder(x, n, layout):
+    return x if layout == "contiguous" else jattn.to_zigzag(x, n)
+
+
+def _restore(x, n, layout):
+    return x if layout == "contiguous" else jattn.from_zigzag(x, n)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, mask):
+    rng = np.random.default_rng(n)
+    Hq, Hkv = 4, 2
+    q, k, v = (random(rng, (2, H, L, E), jnp.float32) for H in (Hq, Hkv, Hkv))
+    score_mod = _alibi_softcap if mask in ("causal", "full") else None
+    out, lse, _ = _ring(n, MASKS[mask], score_mod, layout, enable_gqa=True)(
+        *(_reorder(x, n, layout) for x in (q, k, v)))
+    out, lse = (_restore(x, n, layout) for x in (out, lse[..., None]))
+    whole = _whole(MASKS[mask], score_mod)
+    gold_out, gold_lse = golden(whole, q, k, v)
+    low_out, low_lse = low_precision(whole, q, k, v)
+    assert_close(out, gold_out, low_out, what="out")
+    assert_close(lse[..., 0], gold_lse, low_lse, what="lse")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_gradients_of_q_k_v_and_a_learnable_table(layout):
+    n = 4
+    rng = np.random.default_rng(7)
+    q, k, v = (random(rng, (1, 4, L, E), jnp.float32) for _ in range(3))
+
+    def score_mod_of(table):
+        return lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]
+
+    def ring(q, k, v, table):
+        out, _, _ = _ring(n, jattn.masks.causal_mask, score_mod_of(table), layout)(
+            *(_reorder(x, n, layout) for x in (q, k, v)))
+        return _restore(out, n, layout)
+
+    def whole(q, k, v, table):
+        return _whole(jattn.masks.causal_mask, score_mod_of(table))(q, k, v)[0]
+
+    cotangent = random(rng, q.shape, jnp.float32)
+    ours = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangent))(q, k, v, TABLE)
+    pulled_back = lambda *x: random_cotangent_vjp(whole, x[:-1], x[-1])  # noqa: E731
+    gold = golden(pulled_back, q, k, v, TABLE, cotangent)
+    low = low_precision(pulled_back, q, k, v, TABLE, cotangent)
+    for name, g, g64, g_low in zip(["q", "k", "v", "table"], ours, gold, low):
+        assert_close(g, g64, g_low, what=f"d{name}")
+
+
+def test_causal_pairs_without_keys_launch_nothing():
+    n = 8
+    q = jnp.ones((1, 1, L, E))
+    contiguous = np.asarray(_ring(n, jattn.masks.causal_mask, None, "contiguous")(q, q, q)[2])
+    # Device i sees the shards of devices i, i-1, ..., 0: i + 1 of the n pairs.
+    assert contiguous.tolist() == [i + 1 for i in range(n)]
+    zigzag = np.asarray(_ring(n, jattn.masks.causal_mask, None, "zigzag")(q, q, q)[2])
+    assert zigzag.tolist() == [n] * n  # every pair holds an early chunk below a late one
+    everything = np.asarray(_ring(n, None, None, "contiguous")(q, q, q)[2])
+    assert everything.tolist() == [n] * n
+
+
+def test_zigzag_gives_every_device_equal_causal_work():
+    """Attended (query, key) pairs per device under a causal mask: equal with zigzag within
+    one chunk's worth, while the contiguous layout's last device does n times the first's."""
+    n, chunk = 4, L // 4
+    positions = np.arange(L)
+    for layout, balanced in (("zigzag", True), ("contiguous", False)):
+        order = np.asarray(_reorder(positions[None, None, :, None], n, layout))[0, 0, :, 0]
+        work = [int((order[d * chunk:(d + 1) * chunk, None] >= positions[None, :]).sum())
+                for d in range(n)]
+        assert (max(work) - min(work) <= chunk * chunk // 2) == balanced, (layout, work)
+
+
+def test_zigzag_round_trip_and_errors():
+    x = jnp.arange(2 * 3 * 24 * 2).reshape(2, 3, 24, 2)
+    np.testing.assert_array_equal(jattn.from_zigzag(jattn.to_zigzag(x, 3), 3), x)
+    assert jattn.to_zigzag(jnp.arange(8)[None, None, :, None], 2)[0, 0, :, 0].tolist() == [
+        0, 1, 6, 7, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="2 x num_devices = 6 equal chunks"):
+        jattn.to_zigzag(jnp.ones((1, 1, 10, 1)), 3)
+    with pytest.raises(ValueError, match="layout"):
+        _ring(2, None, None, "spiral")(*(jnp.ones((1, 1, L, E)),) * 3)
+
+
+def test_one_device_mesh_equals_flex_attention_bitwise():
+    rng = np.random.default_rng(3)
+    q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
+    out, lse, launched = _ring(1, _documents, _alibi_softcap, "contiguous")(q, k, v)
+    ref_out, ref_lse = jax.jit(functools.partial(
+        jattn.flex_attention, score_mod=_alibi_softcap, block_mask=_block_mask(_documents),
+        return_lse=True, implementation="xla"))(q, k, v)
+    np.testing.assert_array_equal(out, ref_out)
+    np.testing.assert_array_equal(lse, ref_lse)
+    assert launched.tolist() == [1]
