@@ -23,12 +23,13 @@ from jattn._src.masks.create import create_block_mask as create_block_mask
 from jattn._src.masks.create import create_mask as create_mask
 from jattn._src.ring.attention import ring_flex_attention as ring_flex_attention
 from jattn._src.ring.layout import from_zigzag as from_zigzag
+from jattn._src.ring.sharded import sharded_flex_attention as sharded_flex_attention
 from jattn._src.ring.layout import to_zigzag as to_zigzag
 
 __all__ = ["AttentionConfig", "B2BConfig", "BlockMask", "DecodeConfig", "MatmulConfig",
            "PagedKVCache", "b2b_matmul", "bmm", "create_block_mask", "create_mask",
            "dequantize_weight", "explain", "flex_attention", "flex_decode", "from_zigzag", "masks",
            "matmul", "mixed_matmul", "mm_plus_mm", "mods", "quantize_weight",
-           "ring_flex_attention", "scaled_matmul", "to_zigzag"]
+           "ring_flex_attention", "scaled_matmul", "sharded_flex_attention", "to_zigzag"]
 
 __version__ = "0.1.0"

@@ -26,7 +26,7 @@ from jattn._src.ring.layout import check_layout, global_positions
 _FN = "ring_flex_attention"
 
 
-def _uses_batch_or_head(mask_mod: Callable[..., Any]) -> tuple[bool, bool]:
+def uses_batch_or_head(mask_mod: Callable[..., Any]) -> tuple[bool, bool]:
     """Whether mask_mod's result depends on its b and h arguments (the BlockMask then needs
     those axes; otherwise one row of blocks serves every batch and head): called on indices
     of distinct broadcast shapes, its result has an axis of each argument it uses."""
@@ -72,7 +72,7 @@ def ring_steps(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str, sca
         raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
                          "equal shards of one sequence (q {q.shape}, k {k.shape}).")
     me = lax.axis_index(axis_name)
-    uses_b, uses_h = (False, False) if mask_mod is None else _uses_batch_or_head(mask_mod)
+    uses_b, uses_h = (False, False) if mask_mod is None else uses_batch_or_head(mask_mod)
     next_device = [(i, (i + 1) % n) for i in range(n)]
     # An empty pair is skipped by a lax.cond, whose branch only some devices take. The
     # gradient of a replicated float array the score_mod reads is summed over the devices

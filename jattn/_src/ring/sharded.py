@@ -1,0 +1,116 @@
+"""FlexAttention on global arrays sharded over a mesh: shard_map called for the user.
+
+The sequence axis goes around a ring (`ring_flex_attention`); batch and head axes need no
+communication, each device attending its own batch rows and heads. The mods see global batch,
+head and sequence indices wherever the axes are split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jattn._src.attention.api import flex_attention
+from jattn._src.masks.create import create_block_mask
+from jattn._src.ring.attention import ring_flex_attention, uses_batch_or_head
+
+_FN = "sharded_flex_attention"
+
+
+def _offset(axis: str | None, local_size: int):
+    """The global index of this device's first batch row or head along a mesh axis."""
+    return 0 if axis is None else lax.axis_index(axis) * local_size
+
+
+def _check_axes(mesh: Mesh, q, k, axes: dict[str, str | None]) -> None:
+    for role, axis in axes.items():
+        if axis is not None and axis not in mesh.axis_names:
+            raise ValueError(f"{_FN}: `{role}` {axis!r} is not an axis of the mesh "
+                             f"{mesh.axis_names}.")
+    dims = {"batch_axis": (0, "batch"), "head_axis": (1, "heads"),
+            "sequence_axis": (2, "length")}
+    for role, axis in axes.items():
+        if axis is None:
+            continue
+        dim, name = dims[role]
+        size = mesh.shape[axis]
+        for label, x in (("q", q), ("k", k)):
+            if x.shape[dim] % size:
+                raise ValueError(f"{_FN}: {label}'s {name} ({x.shape[dim]}, shape {x.shape}) "
+                                 f"must divide evenly over the {size} devices of mesh axis "
+                                 f"{axis!r}.")
+
+
+def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                           score_mod: Callable[..., jax.Array] | None = None,
+                           mask_mod: Callable[..., jax.Array] | None = None, *, mesh: Mesh,
+                           batch_axis: str | None = None, head_axis: str | None = None,
+                           sequence_axis: str | None = None, layout: str = "contiguous",
+                           scale: float | None = None, enable_gqa: bool = False,
+                           return_lse: bool = False, implementation: str | None = None,
+                           block_size: int = 128):
+    """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
+    over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
+
+    Call it on global arrays, eagerly or under `jax.jit`; it runs `jax.shard_map` over the mesh.
+    With `layout="zigzag"` the sequence is expected in the zigzag order (`jattn.to_zigzag`).
+
+    Args:
+      q: [B, Hq, L, E]; k: [B, Hkv, L, E]; v: [B, Hkv, L, Ev]; each split axis divisible by its
+        mesh axis' size (Hq and Hkv both, for heads).
+      score_mod, mask_mod: as in flex_attention, on global batch, head and position indices.
+      mesh: the device mesh; batch_axis, head_axis, sequence_axis: mesh axis names or None
+        (not split). scale, enable_gqa, return_lse, implementation: as in flex_attention.
+      layout, block_size: as in ring_flex_attention (block_size also for the BlockMask when
+        the sequence is not split).
+
+    Returns:
+      [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
+
+    Example::
+
+        from jax.sharding import Mesh
+        mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+        q = k = v = jnp.ones((2, 4, 256, 32))                      # [B, H, L, E]
+        out = jattn.sharded_flex_attention(q, k, v, mask_mod=jattn.masks.causal_mask,
+                                           mesh=mesh, batch_axis="data")
+        print(out.shape)                                            # (2, 4, 256, 32)
+    """
+    axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
+    _check_axes(mesh, q, k, axes)
+    spec = P(batch_axis, head_axis, sequence_axis)
+    B_local = q.shape[0] // (1 if batch_axis is None else mesh.shape[batch_axis])
+    H_local = q.shape[1] // (1 if head_axis is None else mesh.shape[head_axis])
+
+    def global_mods():
+        b0, h0 = _offset(batch_axis, B_local), _offset(head_axis, H_local)
+        score = None if score_mod is None else (
+            lambda s, b, h, qi, ki: score_mod(s, b + b0, h + h0, qi, ki))
+        mask = None if mask_mod is None else (
+            lambda b, h, qi, ki: mask_mod(b + b0, h + h0, qi, ki))
+        return score, mask
+
+    def local(q, k, v):
+        score, mask = global_mods()
+        if sequence_axis is not None:
+            return ring_flex_attention(q, k, v, score, mask, axis_name=sequence_axis,
+                                       layout=layout, scale=scale, enable_gqa=enable_gqa,
+                                       return_lse=True, implementation=implementation,
+                                       block_size=block_size)
+        block_mask = None
+        if mask is not None:
+            uses_b, uses_h = uses_batch_or_head(mask_mod)
+            block_mask = create_block_mask(mask, q.shape[0] if uses_b else None,
+                                           q.shape[1] if uses_h else None, q.shape[2],
+                                           k.shape[2], block_size=block_size)
+        return flex_attention(q, k, v, score, block_mask, scale=scale, enable_gqa=enable_gqa,
+                              return_lse=True, implementation=implementation)
+
+    lse_spec = P(batch_axis, head_axis, sequence_axis)
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
+                             out_specs=(spec, lse_spec))(q, k, v)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,68 @@
+"""sharded_flex_attention on global arrays: batch, head and sequence splits over a mesh give
+flex_attention's result on the unsplit arrays; the mods see global indices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jattn
+from jattn._src.attention.reference import attention_reference
+from tests.helpers import assert_close, golden, low_precision, random
+
+B, Hq, Hkv, L, E = 4, 4, 2, 256, 16
+PER_BATCH_WINDOW = jnp.asarray([16, 32, 64, 128], jnp.int32)
+
+
+def _window_by_batch(b, h, q_idx, kv_idx):  # reads the global batch index
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < PER_BATCH_WINDOW[b])
+
+
+def _bias_by_head(score, b, h, q_idx, kv_idx):  # reads the global head index
+    return score - 0.05 * (h + 1) * jnp.abs(q_idx - kv_idx)
+
+
+def _mesh(shape, names):
+    devices = np.array(jax.devices("cpu")[:int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names)
+
+
+SPLITS = {
+    "batch": ((4,), ("data",), dict(batch_axis="data")),
+    "heads": ((2,), ("model",), dict(head_axis="model")),
+    "sequence": ((4,), ("seq",), dict(sequence_axis="seq")),
+    "batch and sequence": ((2, 4), ("data", "seq"), dict(batch_axis="data",
+                                                          sequence_axis="seq")),
+}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_equals_flex_attention_on_the_whole_arrays(split):
+    shape, names, axes = SPLITS[split]
+    rng = np.random.default_rng(len(split))
+    q = random(rng, (B, Hq, L, E), jnp.float32)
+    k, v = (random(rng, (B, Hkv, L, E), jnp.float32) for _ in range(2))
+    mesh = _mesh(shape, names)
+    out, lse = jax.jit(lambda q, k, v: jattn.sharded_flex_attention(
+        q, k, v, _bias_by_head, _window_by_batch, mesh=mesh, enable_gqa=True, return_lse=True,
+        implementation="xla", block_size=32, **axes))(q, k, v)
+    block_mask = jattn.create_block_mask(_window_by_batch, B, Hq, L, L, block_size=32)
+
+    def whole(q, k, v):
+        return attention_reference(q, k, v, _bias_by_head, block_mask)
+
+    gold_out, gold_lse = golden(whole, q, k, v)
+    low_out, low_lse = low_precision(whole, q, k, v)
+    assert_close(out, gold_out, low_out, what="out")
+    assert_close(lse, gold_lse, low_lse, what="lse")
+
+
+def test_bad_axes_name_the_axis_and_the_shapes():
+    mesh = _mesh((4,), ("data",))
+    q = jnp.ones((2, 4, 64, 16))
+    with pytest.raises(ValueError, match="'model' is not an axis of the mesh"):
+        jattn.sharded_flex_attention(q, q, q, mesh=mesh, head_axis="model")
+    with pytest.raises(ValueError, match=r"q's batch \(2, shape \(2, 4, 64, 16\)\) must divide "
+                                         "evenly over the 4 devices of mesh axis 'data'"):
+        jattn.sharded_flex_attention(q, q, q, mesh=mesh, batch_axis="data")
