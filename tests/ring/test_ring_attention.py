@@ -145,6 +145,9 @@ def test_zigzag_round_trip_and_errors():
         jattn.to_zigzag(jnp.ones((1, 1, 10, 1)), 3)
     with pytest.raises(ValueError, match="layout"):
         _ring(2, None, None, "spiral")(*(jnp.ones((1, 1, L, E)),) * 3)
+    with pytest.raises(ValueError, match=r"q's shard has 128 positions and k/v's 64.*"
+                                         r"\(q \(1, 1, 128, 16\), k \(1, 1, 64, 16\)\)"):
+        _ring(2, None, None, "contiguous")(jnp.ones((1, 1, L, E)), *(jnp.ones((1, 1, 128, E)),) * 2)
 
 
 def test_one_device_mesh_equals_flex_attention_bitwise():

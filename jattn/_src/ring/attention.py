@@ -70,7 +70,7 @@ def ring_steps(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str, sca
     check_layout(layout, Lc, _FN)
     if Lc != Sc:
         raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
-                         "equal shards of one sequence (q {q.shape}, k {k.shape}).")
+                         f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
     me = lax.axis_index(axis_name)
     uses_b, uses_h = (False, False) if mask_mod is None else uses_batch_or_head(mask_mod)
     next_device = [(i, (i + 1) % n) for i in range(n)]

@@ -1,8 +1,8 @@
 """Where each device's sequence shard sits in the global sequence, and the zigzag reordering.
 
 contiguous: device i holds positions [i·c, (i+1)·c) of a sequence split into n chunks of c.
-zigzag: the sequence is split into 2n chunks of c/2; device i holds chunks i and 2n−1−i, so under
-a causal mask every device has the same amount of work (an early chunk and a late one).
+zigzag: the sequence is split into 2n chunks of c/2; device i holds chunks i and 2n−1−i, so
+under a causal mask every device has the same amount of work (an early chunk and a late one).
 """
 
 from __future__ import annotations
