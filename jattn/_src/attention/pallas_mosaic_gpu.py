@@ -71,15 +71,6 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     return dataclasses.replace(p, fwd=fwd, decode=None)
 
 
-def _kernel_shape(p: Problem, has_full: bool):
-    from jattn._src.attention.pallas_mosaic_gpu_fwd import KernelShape
-
-    return KernelShape(B=p.B, Hq=p.Hq, Hkv=p.Hkv, L=p.L, S=p.S, E=p.E,
-                              kv_batch=p.kv_batch, mask_batch=p.mask_batch,
-                              mask_heads=p.mask_heads, block_kv=BLOCK[1], stages=STAGES,
-                              scale=p.scale, has_full=has_full)
-
-
 def _without_captures(fn):
     return None if fn is None else lambda *args: fn((), *args)[0]
 
@@ -91,7 +82,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
 
     del score_caps, mask_caps  # none: `unsupported` keeps mods with captures away
     mods: Mods = p.fwd
-    return kernel.forward(_kernel_shape(p, lists.has_full), q, k, v, lists.major("kv"),
+    return kernel.forward(p, lists.has_full, q, k, v, lists.major("kv"),
                           _without_captures(mods.score), _without_captures(mods.mask))
 
 

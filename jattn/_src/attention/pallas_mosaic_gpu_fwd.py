@@ -11,7 +11,6 @@ A schedule barrier alternates the consumers, so one's softmax overlaps the other
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,56 +19,35 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jattn._src.attention.pallas_mosaic_gpu import CONSUMERS, ROWS
+from jattn._src.attention.common import Problem
+from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
 from jattn._src.constants import LOG2_E, MASK_VALUE
 
 SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelShape:
-    """What the kernel is specialised on. q [B, Hq, L, E], k/v [Bk, Hkv, S, E]; BlockMask
-    blocks of block_q = CONSUMERS·ROWS queries and block_kv keys; lists [Bm, Hm, ...]."""
-
-    B: int
-    Hq: int
-    Hkv: int
-    L: int
-    S: int
-    E: int
-    kv_batch: int
-    mask_batch: int
-    mask_heads: int
-    block_kv: int
-    stages: int
-    scale: float
-    has_full: bool
-
-    @property
-    def block_q(self) -> int:
-        return CONSUMERS * ROWS
-
-
-def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, dtype):
-    n_lists = 4 if shape.has_full else 2
+def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, score_fn, mask_fn,
+            dtype):
+    n_lists = 4 if has_full else 2
     # Without a score_mod a positive scale folds into the exponent's factor: one multiply
     # per score fewer.
-    fold_scale = score_fn is None and shape.scale > 0
-    factor = shape.scale * LOG2_E if fold_scale else LOG2_E
+    fold_scale = score_fn is None and p.scale > 0
+    factor = p.scale * LOG2_E if fold_scale else LOG2_E
     list_refs, (out_ref, lse_ref) = refs[:n_lists], refs[n_lists:]
-    bkv, stages = shape.block_kv, shape.stages
+    block_q, bkv = BLOCK
+    stages = STAGES
 
     def body(q_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free, v_free,
              schedule):
         h, row, b = lax.axis_index("heads"), lax.axis_index("rows"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
-        owner = (b if shape.mask_batch > 1 else 0, h if shape.mask_heads > 1 else 0, row)
+        owner = (b if p.mask_batch > 1 else 0, h if p.mask_heads > 1 else 0, row)
         partial = list_refs[0][owner]
-        steps = partial + (list_refs[2][owner] if shape.has_full else 0)
+        steps = partial + (list_refs[2][owner] if has_full else 0)
 
         def kv_block(step):
             """The kv block index of loop step `step`: partial blocks first, then full ones."""
-            if not shape.has_full:
+            if not has_full:
                 return list_refs[1][(*owner, step)]
             # Both reads stay inside the lists: step < partial + full <= the row's length.
             return jnp.where(step < partial, list_refs[1][(*owner, step)],
@@ -83,7 +61,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
         def _consumer():
             plgpu.set_max_registers(232, action="increase")
             q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
-            q0 = row * shape.block_q + wg * ROWS
+            q0 = row * block_q + wg * ROWS
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q0, ROWS)], q_smem, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
 
@@ -91,7 +69,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
                 return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32),
                                          plgpu.Layout.WGMMA.reduce(1))
 
-            carry = (plgpu.layout_cast(jnp.zeros((ROWS, shape.E), jnp.float32),
+            carry = (plgpu.layout_cast(jnp.zeros((ROWS, p.E), jnp.float32),
                                        plgpu.Layout.WGMMA),
                      rows_vector(MASK_VALUE), rows_vector(0.0))
 
@@ -113,7 +91,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, bkv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 if not fold_scale:
-                    s = s * shape.scale
+                    s = s * p.scale
                 if score_fn is not None or (apply_mask and mask_fn is not None):
                     kv0 = kv_block(step) * bkv
                     q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0,
@@ -128,10 +106,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
                 # key kept yet gets exp2(-inf) = 0 and a scale of 1, never NaN.
                 m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
                 alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                prob = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p_lo = p.astype(dtype)
+                l_i = l_i * alpha + prob.sum(axis=1)
+                p_lo = prob.astype(dtype)
                 acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
                 plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -150,7 +128,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
                 return acc, m_new, l_i
 
             carry = lax.fori_loop(0, partial, functools.partial(visit, apply_mask=True), carry)
-            if shape.has_full:
+            if has_full:
                 carry = lax.fori_loop(partial, steps, functools.partial(visit, apply_mask=False),
                                       carry)
             acc, m_i, l_i = carry
@@ -170,8 +148,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            kv_b = b if shape.kv_batch > 1 else 0
-            kv_h = lax.div(h, jnp.int32(shape.Hq // shape.Hkv))
+            kv_b = b if p.kv_batch > 1 else 0
+            kv_h = lax.div(h, jnp.int32(p.Hq // p.Hkv))
 
             def fetch(step, slot):
                 keys = (kv_b, kv_h, pl.ds(kv_block(step) * bkv, bkv))
@@ -191,9 +169,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
     pl.run_scoped(
         lambda buffers, ready, free, schedule: body(*buffers, *ready, *free, schedule),
-        (plgpu.SMEM((CONSUMERS, ROWS, shape.E), dtype, transforms=transforms),
-         plgpu.SMEM((stages, bkv, shape.E), dtype, transforms=transforms),
-         plgpu.SMEM((stages, bkv, shape.E), dtype, transforms=transforms),
+        (plgpu.SMEM((CONSUMERS, ROWS, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bkv, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bkv, p.E), dtype, transforms=transforms),
          plgpu.SMEM((CONSUMERS, ROWS), jnp.float32)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=CONSUMERS)),
@@ -203,20 +181,20 @@ def _kernel(q_ref, k_ref, v_ref, *refs, shape: KernelShape, score_fn, mask_fn, d
     )
 
 
-def forward(shape: KernelShape, q, k, v, lists, score_fn=None, mask_fn=None):
+def forward(p: Problem, has_full: bool, q, k, v, lists, score_fn=None, mask_fn=None):
     """(out [B, Hq, L, E] of q's dtype, lse [B, Hq, L] float32 natural log).
 
-    lists: the BlockMask's kv-major [counts, indices] (then the full ones when shape.has_full),
+    lists: the BlockMask's kv-major [counts, indices] (then the full ones when has_full),
     int32. score_fn(score, b, h, q_idx, kv_idx) and mask_fn(b, h, q_idx, kv_idx) take the
     float32 [64, block_kv] tile and int32 indices in the wgmma register layout (b, h scalars).
     """
-    kernel = functools.partial(_kernel, shape=shape, score_fn=score_fn, mask_fn=mask_fn,
-                               dtype=q.dtype)
+    kernel = functools.partial(_kernel, p=p, has_full=has_full, score_fn=score_fn,
+                               mask_fn=mask_fn, dtype=q.dtype)
     out, lse = plgpu.kernel(
         kernel,
-        out_type=[jax.ShapeDtypeStruct((shape.B, shape.Hq, shape.L, shape.E), q.dtype),
-                   jax.ShapeDtypeStruct((shape.B, shape.Hq, shape.L), jnp.float32)],
-        grid=(shape.Hq, shape.L // shape.block_q, shape.B),
+        out_type=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.E), q.dtype),
+                   jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
+        grid=(p.Hq, p.L // BLOCK[0], p.B),
         grid_names=("heads", "rows", "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="wg",

@@ -22,6 +22,7 @@ from jattn._src import deterministic
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.mesh_axes import aligned
 from jattn._src.tiling import cdiv
 
 
@@ -110,10 +111,7 @@ def _zeros(shape, dtype, *inputs) -> jax.Array:
     """Zeros of `shape` that, under shard_map, vary over every mesh axis one of `inputs` varies
     over: a scan's initial carry must have the type of the carry its step computes from them.
     Outside shard_map, plain zeros."""
-    zero = jnp.zeros((), dtype)
-    for x in jax.tree.leaves(inputs):
-        zero = zero + jnp.zeros_like(x, dtype, shape=())
-    return jnp.broadcast_to(zero, shape)
+    return aligned(jnp.zeros(shape, dtype), *inputs)[0]
 
 
 def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],

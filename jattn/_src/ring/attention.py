@@ -21,6 +21,7 @@ from jax import lax
 
 from jattn._src.attention.api import flex_attention
 from jattn._src.masks.create import create_block_mask
+from jattn._src.mesh_axes import aligned
 from jattn._src.ring.layout import check_layout, global_positions
 
 _FN = "ring_flex_attention"
@@ -113,8 +114,7 @@ def ring_steps(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str, sca
             return step_out.astype(jnp.float32), step_lse
 
         def skip(k, v):  # what attend gives for no keys, varying over the mesh as it does
-            zero = jnp.zeros_like(q[..., :1], jnp.float32) + jnp.zeros_like(v[:, :1, :1],
-                                                                            jnp.float32)
+            zero = aligned(jnp.zeros(out.shape, jnp.float32), q, k, v)[0]
             return zero, zero[..., 0] - jnp.inf
 
         # The next shard is sent on while this one is attended to: the two are independent.
