@@ -1,9 +1,11 @@
-"""Kernels called inside `jax.shard_map`: the mesh axes their operands and outputs vary over.
+"""Inside `jax.shard_map`: the mesh axes values vary over, and keeping them consistent.
 
-With shard_map's default type checking a pallas_call's outputs must say which mesh axes they
-vary over. A kernel's outputs vary over every axis one of its operands varies over, so
-`aligned` casts the operands to that union and `out_struct` gives each output the same type.
-Outside shard_map nothing varies and both return plain values.
+With shard_map's default type checking, operands of one operation must vary over the same mesh
+axes, a scan's carry keeps its type, a pallas_call's outputs say which axes they vary over, and
+a custom_vjp's cotangent has its input's type. `aligned` casts operands to the union of their
+axes, `out_struct` types a kernel output like an operand, and `summed_to_vary_like` sums a
+cotangent over the axes its input does not vary over. Outside shard_map nothing varies and
+each returns its arguments as they are.
 """
 
 from __future__ import annotations
