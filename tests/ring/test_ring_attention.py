@@ -86,30 +86,116 @@ def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, ma
     assert_close(lse[..., 0], gold_lse, low_lse, what="lse")
 
 
+def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=()):
+    """ring_flex_attention over n devices on global (out, lse), the layout undone."""
+    specs = tuple(P(*(None,) * (x.ndim - 1), "seq") for x in token_arrays)
+
+    def local(q, k, v, *tokens):
+        return jattn.ring_flex_attention(q, k, v, score_mod, mask_mod, axis_name="seq",
+                                         layout=layout, return_lse=True, implementation="xla",
+                                         block_size=16, token_arrays=tokens)
+
+    sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3 + specs,
+                            out_specs=(SEQ, SEQ))
+
+    def ring(q, k, v):
+        tokens = [_reorder(x[None, None, ..., None], n, layout)[0, 0, ..., 0]
+                  for x in token_arrays]
+        out, lse = sharded(*(_reorder(x, n, layout) for x in (q, k, v)), *tokens)
+        return _restore(out, n, layout), _restore(lse[..., None], n, layout)[..., 0]
+
+    return ring
+
+
+def _score_mod_of(table):
+    return lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_gradients_of_q_k_v_and_a_learnable_table(layout):
     n = 4
     rng = np.random.default_rng(7)
     q, k, v = (random(rng, (1, 4, L, E), jnp.float32) for _ in range(3))
-
-    def score_mod_of(table):
-        return lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]
+    cotangents = random(rng, q.shape, jnp.float32), random(rng, q.shape[:3], jnp.float32)
 
     def ring(q, k, v, table):
-        out, _, _ = _ring(n, jattn.masks.causal_mask, score_mod_of(table), layout)(
-            *(_reorder(x, n, layout) for x in (q, k, v)))
-        return _restore(out, n, layout)
+        return _differentiable_ring(n, jattn.masks.causal_mask, _score_mod_of(table),
+                                    layout)(q, k, v)
 
     def whole(q, k, v, table):
-        return _whole(jattn.masks.causal_mask, score_mod_of(table))(q, k, v)[0]
+        return _whole(jattn.masks.causal_mask, _score_mod_of(table))(q, k, v)
 
-    cotangent = random(rng, q.shape, jnp.float32)
-    ours = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangent))(q, k, v, TABLE)
-    pulled_back = lambda *x: random_cotangent_vjp(whole, x[:-1], x[-1])  # noqa: E731
-    gold = golden(pulled_back, q, k, v, TABLE, cotangent)
-    low = low_precision(pulled_back, q, k, v, TABLE, cotangent)
+    # The LSE gets a cotangent too: its gradient flows through the same pairs.
+    ours = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangents))(q, k, v, TABLE)
+    pulled_back = lambda *x: random_cotangent_vjp(whole, x[:-2], x[-2:])  # noqa: E731
+    gold = golden(pulled_back, q, k, v, TABLE, *cotangents)
+    low = low_precision(pulled_back, q, k, v, TABLE, *cotangents)
     for name, g, g64, g_low in zip(["q", "k", "v", "table"], ours, gold, low):
         assert_close(g, g64, g_low, what=f"d{name}")
+
+
+def test_backward_is_a_ring_with_dk_dv_travelling():
+    """The backward sends K/V on n − 1 times and their dK/dV n times (home after the last
+    pair); autodiff of the forward would transpose its 2(n − 1) sends instead."""
+    n = 4
+    q = jnp.ones((1, 2, L, E))
+
+    def loss(q, k, v):
+        return _differentiable_ring(n, jattn.masks.causal_mask, None, "zigzag")(q, k, v)[0].sum()
+
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
+    assert text.count("ppermute[") == 2 * (n - 1) + 2 * (n - 1) + 2 * n
+
+
+def test_document_ids_sharded_with_q_and_travelling_with_k():
+    """A per-token array (document ids, as token_arrays) read by both mods: out, LSE and
+    gradients equal flex_attention reading the whole array."""
+    n, layout = 4, "zigzag"
+    rng = np.random.default_rng(11)
+    q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
+    documents = jnp.asarray(np.repeat(np.arange(8), np.diff([0, 20, 50, 64, 100, 150, 160,
+                                                             230, L])), jnp.int32)
+
+    def same_document(b, h, q_idx, kv_idx, doc):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    def bias_by_document(score, b, h, q_idx, kv_idx, doc):
+        return score + 0.1 * doc[kv_idx]
+
+    ring = _differentiable_ring(n, same_document, bias_by_document, layout,
+                                token_arrays=(documents,))
+    block_mask = jattn.create_block_mask(
+        lambda b, h, q_idx, kv_idx: same_document(b, h, q_idx, kv_idx, documents),
+        None, None, L, L, block_size=16)
+
+    def whole(q, k, v):
+        return attention_reference(
+            q, k, v, lambda s, b, h, qi, ki: bias_by_document(s, b, h, qi, ki, documents),
+            block_mask)
+
+    cotangents = random(rng, q.shape, jnp.float32), random(rng, q.shape[:3], jnp.float32)
+    ours = jax.jit(lambda *x: (*ring(*x), *random_cotangent_vjp(ring, x, cotangents)))(q, k, v)
+    pulled = lambda *x: (*whole(*x[:3]), *random_cotangent_vjp(whole, x[:3], x[3:]))  # noqa
+    gold = golden(pulled, q, k, v, *cotangents)
+    low = low_precision(pulled, q, k, v, *cotangents)
+    for name, g, g64, g_low in zip(["out", "lse", "dq", "dk", "dv"], ours, gold, low):
+        assert_close(g, g64, g_low, what=name)
+
+
+def test_token_arrays_errors():
+    ring = _differentiable_ring(2, None, None, "contiguous",
+                                token_arrays=(jnp.zeros((L,), jnp.float32),))
+    with pytest.raises(TypeError, match=r"token_arrays\[0\] is float32.*integer or bool"):
+        ring(*(jnp.ones((1, 1, L, E)),) * 3)
+
+    def local(q, k, v):
+        return jattn.ring_flex_attention(q, k, v, axis_name="seq",
+                                         token_arrays=(jnp.zeros((L,), jnp.int32),))
+
+    with pytest.raises(ValueError, match=r"token_arrays\[0\] has shape \(256,\).*this "
+                                         r"device's 128 positions"):
+        jax.shard_map(local, mesh=_mesh(2), in_specs=(SEQ,) * 3, out_specs=SEQ)(
+            *(jnp.ones((1, 1, L, E)),) * 3)
 
 
 def test_causal_pairs_without_keys_launch_nothing():
@@ -122,6 +208,11 @@ def test_causal_pairs_without_keys_launch_nothing():
     assert zigzag.tolist() == [n] * n  # every pair holds an early chunk below a late one
     everything = np.asarray(_ring(n, None, None, "contiguous")(q, q, q)[2])
     assert everything.tolist() == [n] * n
+    # A learnable table's gradient is summed across devices after the ring, so a score_mod
+    # reading one skips empty pairs too.
+    learnable = np.asarray(_ring(n, jattn.masks.causal_mask, _score_mod_of(TABLE),
+                                 "contiguous")(q, q, q)[2])
+    assert learnable.tolist() == [i + 1 for i in range(n)]
 
 
 def test_zigzag_gives_every_device_equal_causal_work():

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 import jattn
 from jattn._src.attention.reference import attention_reference
-from tests.helpers import assert_close, golden, low_precision, random
+from tests.helpers import assert_close, assert_gradients_close, golden, low_precision, random
 
 B, Hq, Hkv, L, E = 4, 4, 2, 256, 16
 PER_BATCH_WINDOW = jnp.asarray([16, 32, 64, 128], jnp.int32)
@@ -66,3 +66,63 @@ def test_bad_axes_name_the_axis_and_the_shapes():
     with pytest.raises(ValueError, match=r"q's batch \(2, shape \(2, 4, 64, 16\)\) must divide "
                                          "evenly over the 4 devices of mesh axis 'data'"):
         jattn.sharded_flex_attention(q, q, q, mesh=mesh, batch_axis="data")
+
+
+@pytest.mark.parametrize("split", ["batch", "sequence", "batch and sequence"])
+def test_document_ids_as_token_arrays(split):
+    shape, names, axes = SPLITS[split]
+    rng = np.random.default_rng(5)
+    q, k, v = (random(rng, (B, Hq, L, E), jnp.float32) for _ in range(3))
+    documents = jnp.asarray(np.sort(rng.integers(0, 6, L)), jnp.int32)
+
+    def same_document(b, h, q_idx, kv_idx, doc):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    out = jax.jit(lambda q, k, v, doc: jattn.sharded_flex_attention(
+        q, k, v, mask_mod=same_document, mesh=_mesh(shape, names), implementation="xla",
+        block_size=32, token_arrays=(doc,), **axes))(q, k, v, documents)
+    block_mask = jattn.create_block_mask(
+        lambda b, h, q_idx, kv_idx: same_document(b, h, q_idx, kv_idx, documents),
+        None, None, L, L, block_size=32)
+
+    def whole(q, k, v):
+        return attention_reference(q, k, v, None, block_mask)[0]
+
+    assert_close(out, golden(whole, q, k, v), low_precision(whole, q, k, v), what="out")
+
+
+def test_bad_token_arrays_name_the_fix():
+    mesh = _mesh((2,), ("seq",))
+    q = jnp.ones((1, 2, 64, 16))
+    with pytest.raises(ValueError, match=r"token_arrays\[0\] has shape \(32,\).*sequence "
+                                         r"\(64 positions\)"):
+        jattn.sharded_flex_attention(q, q, q, mesh=mesh, sequence_axis="seq",
+                                     token_arrays=(jnp.zeros(32, jnp.int32),))
+
+
+def test_gradients_with_batch_and_sequence_split():
+    """dq, dk, dv and a replicated learnable table's gradient (summed over both mesh axes
+    once, after the ring) equal flex_attention's on the whole arrays."""
+    shape, names, axes = SPLITS["batch and sequence"]
+    rng = np.random.default_rng(9)
+    q = random(rng, (B, Hq, L, E), jnp.float32)
+    k, v = (random(rng, (B, Hkv, L, E), jnp.float32) for _ in range(2))
+    table = random(rng, (Hq, 2 * L - 1), jnp.float32) * 0.1
+    mesh = _mesh(shape, names)
+
+    def bias(table):
+        return lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]
+
+    def ours(q, k, v, table):
+        return jattn.sharded_flex_attention(q, k, v, bias(table), jattn.masks.causal_mask,
+                                            mesh=mesh, enable_gqa=True, implementation="xla",
+                                            block_size=32, **axes)
+
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L,
+                                         block_size=32)
+
+    def whole(q, k, v, table):
+        return attention_reference(q, k, v, bias(table), block_mask)[0]
+
+    assert_gradients_close(ours, whole, (q, k, v, table), random(rng, q.shape, jnp.float32),
+                           ["q", "k", "v", "table"])

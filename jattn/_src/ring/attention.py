@@ -4,52 +4,57 @@ Each device holds a shard of q, k and v along the sequence. The K/V shards trave
 ring (`lax.ppermute` to the next device) while each device attends its queries to the shard in
 hand; the partial results merge through their log-sum-exps. The mods see global positions.
 A (query shard, key shard) pair whose BlockMask is empty launches no kernel: under a causal
-mask with the contiguous layout that is almost half of them. The backward is the ring's
-autodiff: the per-pair flex_attention backwards, with dK/dV travelling back around the ring by
-the transposed ppermutes.
+mask with the contiguous layout that is almost half of them.
+
+The backward is a ring too (a custom_vjp): K/V go round again with their dK/dV accumulators,
+each device adding its pair's part (flex_attention's backward from the merged output and LSE,
+which is exact for a slice of the keys), and after the last pair one more step takes dK/dV
+home. Only this device's shards and the pairs' block lists are kept for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jattn._src.attention.api import flex_attention
-from jattn._src.masks.create import create_block_mask
-from jattn._src.mesh_axes import aligned
-from jattn._src.ring.layout import check_layout, global_positions
+from jattn._src.attention.api import flex_attention, flex_attention_backward
+from jattn._src.mesh_axes import aligned, summed_to_vary_like
+from jattn._src.ring.layout import check_layout
+from jattn._src.ring.pair import Pair, RingMods, visited_blocks
 
 _FN = "ring_flex_attention"
 
 
-def uses_batch_or_head(mask_mod: Callable[..., Any]) -> tuple[bool, bool]:
-    """Whether mask_mod's result depends on its b and h arguments (the BlockMask then needs
-    those axes; otherwise one row of blocks serves every batch and head): called on indices
-    of distinct broadcast shapes, its result has an axis of each argument it uses."""
-    def index(*shape):
-        return jax.ShapeDtypeStruct(shape, jnp.int32)
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ring:
+    """Static description of one ring call (the custom_vjp's nondifferentiable argument)."""
 
-    shape = jax.eval_shape(mask_mod, index(2, 1, 1, 1), index(1, 3, 1, 1), index(1, 1, 5, 1),
-                           index(1, 1, 1, 7)).shape
-    padded = (1,) * (4 - len(shape)) + tuple(shape)
-    return padded[0] == 2, padded[1] == 3
+    mods: RingMods
+    axis_name: str
+    layout: str
+    scale: float | None
+    enable_gqa: bool
+    implementation: str | None
+    block_size: int
 
+    def pair(self, step: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
+        """(Pair, the device whose K/V shard is in hand) at ring step `step`."""
+        n, me = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
+        origin = lax.rem(me - step + n, n)
+        return Pair.make(self.mods, me=me, origin=origin, num_devices=n, shard=shard,
+                         layout=self.layout, score_caps=score_caps, mask_caps=mask_caps,
+                         tokens=tokens, tokens_in_hand=tokens_in_hand)
 
-def _reads_float_arrays(score_mod: Callable[..., Any] | None) -> bool:
-    """Whether score_mod closes over floating-point arrays (learnable tables, slopes)."""
-    if score_mod is None:
-        return False
-    index = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    closed = jax.make_jaxpr(score_mod)(jax.ShapeDtypeStruct((1, 1), jnp.float32), scalar,
-                                       scalar, index, index)
-    return any(jnp.issubdtype(jnp.result_type(c), jnp.floating)
-               for c in getattr(closed, "consts", ()))
+    def pass_on(self, *xs):
+        """xs sent to the next device of the ring (received from the previous one)."""
+        n = lax.axis_size(self.axis_name)
+        return [lax.ppermute(x, self.axis_name, [(i, (i + 1) % n) for i in range(n)])
+                for x in xs]
 
 
 def _merge(out, lse, step_out, step_lse):
@@ -62,73 +67,154 @@ def _merge(out, lse, step_out, step_lse):
     return out, new
 
 
-def ring_steps(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str, scale,
-               enable_gqa: bool, implementation, block_size: int):
-    """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
-    device: int32) of ring_flex_attention inside shard_map."""
-    n = lax.axis_size(axis_name)
-    (B, Hq, Lc, _), (Sc, Ev) = q.shape, v.shape[2:]
-    check_layout(layout, Lc, _FN)
-    if Lc != Sc:
-        raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
-                         f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
-    me = lax.axis_index(axis_name)
-    uses_b, uses_h = (False, False) if mask_mod is None else uses_batch_or_head(mask_mod)
-    next_device = [(i, (i + 1) % n) for i in range(n)]
-    # An empty pair is skipped by a lax.cond, whose branch only some devices take. The
-    # gradient of a replicated float array the score_mod reads is summed over the devices
-    # (a psum) inside flex_attention's backward, in that branch: devices skipping it would
-    # leave the others waiting. Such mods attend every pair (an empty one costs a kernel
-    # launch that finds no blocks).
-    always_attend = _reads_float_arrays(score_mod)
+def _zeros_varying_like(shapes_dtypes, *operands):
+    """Zeros of each (shape, dtype), varying over the mesh axes the operands vary over (what
+    a skipped pair gives in place of a computed one)."""
+    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes_dtypes]
+    return aligned(*zeros, *operands)[:len(zeros)]
 
+
+def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
+    """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
+    device: int32, each step's BlockMask without its mask_mod, or None)."""
+    n = lax.axis_size(ring.axis_name)
+    (B, Hq, Lc, _), Ev = q.shape, v.shape[-1]
     out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
     lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
-    launched = jnp.int32(0)
+    launched, block_masks, in_hand = jnp.int32(0), [], list(tokens)
     for step in range(n):
-        origin = lax.rem(me - step + n, n)  # the device whose K/V shard is in hand
-        q_pos = functools.partial(global_positions, device=me, num_devices=n, shard_length=Lc,
-                                  layout=layout)
-        kv_pos = functools.partial(global_positions, device=origin, num_devices=n,
-                                   shard_length=Sc, layout=layout)
-        step_score = None if score_mod is None else (
-            lambda s, b, h, qi, ki, q_pos=q_pos, kv_pos=kv_pos:
-            score_mod(s, b, h, q_pos(qi), kv_pos(ki)))
-        block_mask, blocks = None, jnp.int32(1)  # without a mask_mod every pair attends
-        if mask_mod is not None:
-            def step_mask(b, h, qi, ki, q_pos=q_pos, kv_pos=kv_pos):
-                return mask_mod(b, h, q_pos(qi), kv_pos(ki))
+        pair = ring.pair(step, score_caps, mask_caps, tokens, in_hand, Lc)
+        block_mask = pair.block_mask(ring.mods, B, Hq, Lc, ring.block_size)
+        blocks = visited_blocks(block_mask)
 
-            block_mask = create_block_mask(step_mask, B if uses_b else None,
-                                           Hq if uses_h else None, Lc, Sc,
-                                           block_size=block_size)
-            lists = block_mask.lists()
-            blocks = lists.kv_num_blocks.sum()
-            if lists.has_full:
-                blocks = blocks + lists.full_kv_num_blocks.sum()
+        def attend(k, v, pair=pair, block_mask=block_mask):
+            step_out, step_lse = flex_attention(q, k, v, pair.score, block_mask,
+                                                scale=ring.scale, enable_gqa=ring.enable_gqa,
+                                                return_lse=True,
+                                                implementation=ring.implementation)
+            return tuple(aligned(step_out.astype(jnp.float32), step_lse, q, k, v)[:2])
 
-        def attend(k, v, block_mask=block_mask, step_score=step_score):
-            step_out, step_lse = flex_attention(q, k, v, step_score, block_mask, scale=scale,
-                                                enable_gqa=enable_gqa, return_lse=True,
-                                                implementation=implementation)
-            return step_out.astype(jnp.float32), step_lse
-
-        def skip(k, v):  # what attend gives for no keys, varying over the mesh as it does
-            zero = aligned(jnp.zeros(out.shape, jnp.float32), q, k, v)[0]
+        def skip(k, v):  # what attend gives for no keys
+            zero = _zeros_varying_like([(out.shape, jnp.float32)], q, k, v)[0]
             return zero, zero[..., 0] - jnp.inf
 
         # The next shard is sent on while this one is attended to: the two are independent.
         if step + 1 < n:
-            next_k, next_v = (lax.ppermute(x, axis_name, next_device) for x in (k, v))
-        if always_attend:
-            step_out, step_lse = attend(k, v)
-        else:
-            step_out, step_lse = lax.cond(blocks > 0, attend, skip, k, v)
+            next_k, next_v, *next_tokens = ring.pass_on(k, v, *in_hand)
+        step_out, step_lse = lax.cond(blocks > 0, attend, skip, k, v)
         out, lse = _merge(out, lse, step_out, step_lse)
-        launched = launched + (1 if always_attend else (blocks > 0).astype(jnp.int32))
+        launched = launched + (blocks > 0).astype(jnp.int32)
+        block_masks.append(None if block_mask is None else
+                           dataclasses.replace(block_mask, mask_mod=None))
         if step + 1 < n:
-            k, v = next_k, next_v
-    return out.astype(q.dtype), lse, launched
+            k, v, in_hand = next_k, next_v, next_tokens
+    return out.astype(q.dtype), lse, launched, block_masks
+
+
+def _backward(ring: _Ring, residuals, d_out, d_lse):
+    """(dq, dk, dv, d_score_caps) of the ring from its saved shards, output and LSE."""
+    q, k, v, score_caps, mask_caps, tokens, out, lse, block_masks = residuals
+    n, Lc = lax.axis_size(ring.axis_name), q.shape[2]
+    # The captures' gradients are summed over the devices after the last pair: inside a
+    # pair's backward (a lax.cond branch some devices skip) that sum would deadlock, so the
+    # pairs see the captures as varying over q's axes and sum nothing.
+    varying_caps = aligned(q, *score_caps)[1:]
+    floats = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps]
+    dq, dk, dv = _zeros_varying_like([(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
+    d_caps = _zeros_varying_like([(jnp.shape(c), jnp.float32)
+                                  for c, f in zip(score_caps, floats) if f], q, k, v)
+    in_hand = list(tokens)
+    for step in range(n):
+        pair = ring.pair(step, varying_caps, mask_caps, tokens, in_hand, Lc)
+        saved = block_masks[step]
+        block_mask = None if saved is None else dataclasses.replace(saved, mask_mod=pair.mask)
+        if step + 1 < n:
+            next_k, next_v, *next_tokens = ring.pass_on(k, v, *in_hand)
+
+        def attend(k, v, pair=pair, block_mask=block_mask):
+            dq_p, dk_p, dv_p, d_caps_p = flex_attention_backward(
+                q, k, v, out, lse, d_out, d_lse, pair.score, block_mask,
+                score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
+                implementation=ring.implementation)
+            parts = [dq_p, dk_p, dv_p, *(d for d, f in zip(d_caps_p, floats) if f)]
+            return list(aligned(*(x.astype(jnp.float32) for x in parts), q, k, v)[:len(parts)])
+
+        def skip(k, v):
+            return list(_zeros_varying_like(
+                [(x.shape, jnp.float32) for x in (dq, dk, dv, *d_caps)], q, k, v))
+
+        parts = lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v)
+        dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
+        d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
+        if step + 1 < n:  # dK/dV travel with their shard
+            dk, dv = ring.pass_on(dk, dv)
+            k, v, in_hand = next_k, next_v, next_tokens
+    if n > 1:  # the shard in hand after the last pair is the next device's: send dK/dV home
+        dk, dv = ring.pass_on(dk, dv)
+    grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
+    float_grads = iter(d_caps)
+    cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
+                      if f else None for c, f in zip(score_caps, floats))
+    return (*grads, cap_grads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
+    return _forward(ring, q, k, v, score_caps, mask_caps, tokens)[:2]
+
+
+def _ring_attention_fwd(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
+    out, lse, _, block_masks = _forward(ring, q, k, v, score_caps, mask_caps, tokens)
+    return (out, lse), (q, k, v, score_caps, mask_caps, tokens, out, lse, block_masks)
+
+
+def _ring_attention_bwd(ring: _Ring, residuals, cotangents):
+    dq, dk, dv, d_score_caps = _backward(ring, residuals, *cotangents)
+    return dq, dk, dv, d_score_caps, None, None
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def _check_tokens(token_arrays: Sequence[jax.Array], shard: int) -> list[jax.Array]:
+    tokens = [jnp.asarray(x) for x in token_arrays]
+    for i, x in enumerate(tokens):
+        if x.ndim == 0 or x.shape[-1] != shard:
+            raise ValueError(f"{_FN}: token_arrays[{i}] has shape {x.shape}; a per-token array "
+                             f"is sharded like q along its last axis, which must be this "
+                             f"device's {shard} positions.")
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{_FN}: token_arrays[{i}] is {x.dtype}; per-token arrays are "
+                            "integer or bool (document ids, positions) and get no gradient. "
+                            "Close over a replicated array instead for a float one.")
+    return tokens
+
+
+def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
+           implementation, block_size, token_arrays):
+    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens)."""
+    n = lax.axis_size(axis_name)
+    Lc, Sc = q.shape[2], k.shape[2]
+    check_layout(layout, Lc, _FN)
+    if Lc != Sc:
+        raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
+                         f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
+    tokens = _check_tokens(token_arrays, Lc)
+    views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
+    mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
+    ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size)
+    return ring, tuple(score_caps), tuple(mask_caps), tuple(tokens)
+
+
+def ring_steps(q, k, v, score_mod=None, mask_mod=None, *, axis_name: str, layout: str, scale,
+               enable_gqa: bool, implementation, block_size: int, token_arrays=()):
+    """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
+    device: int32) of ring_flex_attention inside shard_map, not differentiable."""
+    ring, score_caps, mask_caps, tokens = _setup(
+        q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
+        enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
+        token_arrays=token_arrays)
+    return _forward(ring, q, k, v, score_caps, mask_caps, tokens)[:3]
 
 
 def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -136,7 +222,8 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         mask_mod: Callable[..., jax.Array] | None = None, *, axis_name: str,
                         layout: str = "contiguous", scale: float | None = None,
                         enable_gqa: bool = False, return_lse: bool = False,
-                        implementation: str | None = None, block_size: int = 128):
+                        implementation: str | None = None, block_size: int = 128,
+                        token_arrays: Sequence[jax.Array] = ()):
     """flex_attention over a sequence sharded across the devices of a mesh axis (a ring).
 
     Call it inside `jax.shard_map` with q, k and v sharded along the sequence (axis 2) over
@@ -156,11 +243,18 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         i and 2n−1−i of 2n: equal work per device under a causal mask; see `jattn.to_zigzag`).
       scale, enable_gqa, return_lse, implementation: as in flex_attention.
       block_size: the BlockMask block of each pair of shards (it must divide Lc).
+      token_arrays: per-token integer or bool arrays (document ids, ...) sharded like q, each
+        [..., Lc] with this device's positions on its last axis. Given, the mods take one
+        more argument per array, `score_mod(score, b, h, q_idx, kv_idx, *tokens)` and
+        `mask_mod(b, h, q_idx, kv_idx, *tokens)`, each the array over the whole sequence
+        [..., L], to index with the global positions (`doc[q_idx] == doc[kv_idx]`). The key
+        side's shard travels around the ring with k.
 
     Returns:
       [B, Hq, Lc, Ev] of q's dtype, this device's shard of the output; with return_lse also
       its [B, Hq, Lc] float32 shard of the natural-log LSE. Differentiable in q, k, v and
-      arrays the mods read (replicate globally indexed tables).
+      float arrays the mods close over (replicate globally indexed tables: their gradient is
+      the sum of every device's part). The backward is a ring as well.
 
     Example::
 
@@ -173,7 +267,9 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             mesh=mesh, in_specs=(P(None, None, "seq"),) * 3, out_specs=P(None, None, "seq"))
         print(jax.jit(attention)(q, k, v).shape)                    # (1, 2, 256, 32)
     """
-    out, lse, _ = ring_steps(q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout,
-                             scale=scale, enable_gqa=enable_gqa, implementation=implementation,
-                             block_size=block_size)
+    ring, score_caps, mask_caps, tokens = _setup(
+        q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
+        enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
+        token_arrays=token_arrays)
+    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens)
     return (out, lse) if return_lse else out

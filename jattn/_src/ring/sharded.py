@@ -7,16 +7,18 @@ head and sequence indices wherever the axes are split.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn._src.attention.api import flex_attention
 from jattn._src.masks.create import create_block_mask
-from jattn._src.ring.attention import ring_flex_attention, uses_batch_or_head
+from jattn._src.ring.attention import ring_flex_attention
+from jattn._src.ring.pair import uses_batch_or_head
 
 _FN = "sharded_flex_attention"
 
@@ -45,6 +47,18 @@ def _check_axes(mesh: Mesh, q, k, axes: dict[str, str | None]) -> None:
                                  f"{axis!r}.")
 
 
+def _check_tokens(token_arrays: Sequence[jax.Array], length: int) -> None:
+    for i, x in enumerate(token_arrays):
+        shape, dtype = jnp.shape(x), jnp.result_type(x)
+        if not shape or shape[-1] != length:
+            raise ValueError(f"{_FN}: token_arrays[{i}] has shape {shape}; a per-token array "
+                             f"has the sequence ({length} positions) as its last axis.")
+        if jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"{_FN}: token_arrays[{i}] is {dtype}; per-token arrays are "
+                            "integer or bool (document ids, positions) and get no gradient. "
+                            "Close over a float array in the mod instead.")
+
+
 def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            score_mod: Callable[..., jax.Array] | None = None,
                            mask_mod: Callable[..., jax.Array] | None = None, *, mesh: Mesh,
@@ -52,7 +66,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            sequence_axis: str | None = None, layout: str = "contiguous",
                            scale: float | None = None, enable_gqa: bool = False,
                            return_lse: bool = False, implementation: str | None = None,
-                           block_size: int = 128):
+                           block_size: int = 128, token_arrays: Sequence[jax.Array] = ()):
     """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
     over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
 
@@ -67,6 +81,10 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         (not split). scale, enable_gqa, return_lse, implementation: as in flex_attention.
       layout, block_size: as in ring_flex_attention (block_size also for the BlockMask when
         the sequence is not split).
+      token_arrays: per-token integer or bool arrays over the whole sequence, [..., L]
+        (document ids, ...): the mods take one more argument per array, as in
+        ring_flex_attention. Split with the sequence (the key side travelling with k),
+        whole on every device otherwise.
 
     Returns:
       [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
@@ -82,35 +100,38 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
     _check_axes(mesh, q, k, axes)
+    _check_tokens(token_arrays, q.shape[2])
     spec = P(batch_axis, head_axis, sequence_axis)
     B_local = q.shape[0] // (1 if batch_axis is None else mesh.shape[batch_axis])
     H_local = q.shape[1] // (1 if head_axis is None else mesh.shape[head_axis])
 
-    def global_mods():
+    def global_mods(*tokens):
+        """The mods on global batch and head indices; with `tokens`, reading them too."""
         b0, h0 = _offset(batch_axis, B_local), _offset(head_axis, H_local)
         score = None if score_mod is None else (
-            lambda s, b, h, qi, ki: score_mod(s, b + b0, h + h0, qi, ki))
+            lambda s, b, h, qi, ki, *more: score_mod(s, b + b0, h + h0, qi, ki, *tokens, *more))
         mask = None if mask_mod is None else (
-            lambda b, h, qi, ki: mask_mod(b + b0, h + h0, qi, ki))
+            lambda b, h, qi, ki, *more: mask_mod(b + b0, h + h0, qi, ki, *tokens, *more))
         return score, mask
 
-    def local(q, k, v):
-        score, mask = global_mods()
+    def local(q, k, v, *tokens):
         if sequence_axis is not None:
+            score, mask = global_mods()
             return ring_flex_attention(q, k, v, score, mask, axis_name=sequence_axis,
                                        layout=layout, scale=scale, enable_gqa=enable_gqa,
                                        return_lse=True, implementation=implementation,
-                                       block_size=block_size)
+                                       block_size=block_size, token_arrays=tokens)
+        score, mask = global_mods(*tokens)
         block_mask = None
         if mask is not None:
-            uses_b, uses_h = uses_batch_or_head(mask_mod)
+            uses_b, uses_h = uses_batch_or_head(mask)
             block_mask = create_block_mask(mask, q.shape[0] if uses_b else None,
                                            q.shape[1] if uses_h else None, q.shape[2],
                                            k.shape[2], block_size=block_size)
         return flex_attention(q, k, v, score, block_mask, scale=scale, enable_gqa=enable_gqa,
                               return_lse=True, implementation=implementation)
 
-    lse_spec = P(batch_axis, head_axis, sequence_axis)
-    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
-                             out_specs=(spec, lse_spec))(q, k, v)
+    token_specs = tuple(P(*(None,) * (jnp.ndim(x) - 1), sequence_axis) for x in token_arrays)
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + token_specs,
+                             out_specs=(spec, spec))(q, k, v, *token_arrays)
     return (out, lse) if return_lse else out
