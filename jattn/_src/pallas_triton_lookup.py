@@ -7,7 +7,9 @@ power-of-two size. This interpreter walks the jaxpr and turns each lookup in a c
 into an indexed load of that array's ref: one pointer per element, no table in registers.
 Indices are clamped to the table, so masked-out positions of a ragged tile never read outside.
 
-Everything else is bound as traced. jnp builds a multi-dimensional index by giving each index
+Casts to vary over mesh axes (traced where a mod closes over a value varying inside shard_map)
+pass their operands through: nothing varies inside a kernel. Everything else is bound as
+traced. jnp builds a multi-dimensional index by giving each index
 array a trailing unit dim and concatenating them; those steps are kept lazy, since Triton
 concatenates only two tensors, and materialised only if something other than a lookup uses them.
 """
@@ -118,6 +120,8 @@ def _eval(jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         elif (name == "concatenate" and all(isinstance(v, _IndexColumns) for v in invals)
               and eqn.params["dimension"] == len(eqn.outvars[0].aval.shape) - 1):
             outs = [_IndexColumns(tuple(c for v in invals for c in v.columns))]
+        elif name == "pvary":  # a mesh-axis cast traced outside: nothing varies in a kernel
+            outs = invals
         elif name in _SUBJAXPR_PARAMS and _SUBJAXPR_PARAMS[name] in eqn.params:
             closed = eqn.params[_SUBJAXPR_PARAMS[name]]
             inner = getattr(closed, "jaxpr", closed)

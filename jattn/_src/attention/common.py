@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jattn._src.attention.config import AttentionConfig
 from jattn._src.backends import Implementation
+from jattn._src.mesh_axes import aligned, varying_axes
 from jattn._src.mod_errors import (MASK_PARAMETERS, SCORE_PARAMETERS, check_parameters, name_of,
                                    traced_values_explained)
 from jattn._src.user_functions import CaptureSet, TracedFunction
@@ -131,7 +132,16 @@ def trace_mods(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
     if score_mod is not None and with_vjp:
 
         def score_vjp_fn(s, b, h, q_idx, kv_idx, d_out):
-            return jax.vjp(lambda x: score_mod(x, b, h, q_idx, kv_idx), s)[1](d_out)[0]
+            def score_of(x):
+                return score_mod(x, b, h, q_idx, kv_idx)
+
+            out, pullback = jax.vjp(score_of, s)
+            if varying_axes(out) - varying_axes(s):
+                # Inside shard_map, a mod closing over a value that varies over a mesh axis (a
+                # device index) varies too. Its pullback at an unvarying score would sum over
+                # the axis (a psum in a kernel): linearise at a score varying like the result.
+                out, pullback = jax.vjp(score_of, aligned(s, out)[0])
+            return pullback(aligned(d_out, out)[0])[0]
 
         score_vjp = score_set.trace(score_vjp_fn, (score_sig, *index_sig, score_sig))
     if mask_mod is not None:

@@ -23,7 +23,8 @@ from jattn._src.user_functions import CaptureSet
 CONSUMERS = 2  # consumer warpgroups per program
 ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 BLOCK = (CONSUMERS * ROWS, 128)  # the BlockMask blocks one program walks: its q and kv tiles
-STAGES = 2  # K/V slots in shared memory: 3 do not fit at head dim 128
+# K/V slots in shared memory by head dim: 3 do not fit at 128 (120 bytes over the limit).
+STAGES = {64: 3, 128: 2}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 HEAD_DIMS = (64, 128)
 

@@ -35,7 +35,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, score_fn, ma
     factor = p.scale * LOG2_E if fold_scale else LOG2_E
     list_refs, (out_ref, lse_ref) = refs[:n_lists], refs[n_lists:]
     block_q, bkv = BLOCK
-    stages = STAGES
+    stages = STAGES[p.E]
 
     def body(q_smem2, k_smem, v_smem, lse_smem2, k_ready, v_ready, q_ready, k_free, v_free,
              schedule):

@@ -50,6 +50,11 @@ class _Ring:
                          layout=self.layout, score_caps=score_caps, mask_caps=mask_caps,
                          tokens=tokens, tokens_in_hand=tokens_in_hand)
 
+    def pair_typed(self, xs, *operands) -> list:
+        """xs cast to vary over every mesh axis a pair's result may: the operands' and the
+        ring's own (the pairs' mods read the device index), so both branches of a skip agree."""
+        return list(aligned(*xs, *operands, lax.axis_index(self.axis_name))[:len(xs)])
+
     def pass_on(self, *xs):
         """xs sent to the next device of the ring (received from the previous one)."""
         n = lax.axis_size(self.axis_name)
@@ -65,13 +70,6 @@ def _merge(out, lse, step_out, step_lse):
     step_weight = jnp.where(finite, jnp.exp(step_lse - jnp.where(finite, new, 0.0)), 0.0)
     out = out * old_weight[..., None] + step_out.astype(jnp.float32) * step_weight[..., None]
     return out, new
-
-
-def _zeros_varying_like(shapes_dtypes, *operands):
-    """Zeros of each (shape, dtype), varying over the mesh axes the operands vary over (what
-    a skipped pair gives in place of a computed one)."""
-    zeros = [jnp.zeros(shape, dtype) for shape, dtype in shapes_dtypes]
-    return aligned(*zeros, *operands)[:len(zeros)]
 
 
 def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
@@ -92,10 +90,10 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
                                                 scale=ring.scale, enable_gqa=ring.enable_gqa,
                                                 return_lse=True,
                                                 implementation=ring.implementation)
-            return tuple(aligned(step_out.astype(jnp.float32), step_lse, q, k, v)[:2])
+            return tuple(ring.pair_typed([step_out.astype(jnp.float32), step_lse], q, k, v))
 
         def skip(k, v):  # what attend gives for no keys
-            zero = _zeros_varying_like([(out.shape, jnp.float32)], q, k, v)[0]
+            zero = ring.pair_typed([jnp.zeros(out.shape, jnp.float32)], q, k, v)[0]
             return zero, zero[..., 0] - jnp.inf
 
         # The next shard is sent on while this one is attended to: the two are independent.
@@ -120,9 +118,9 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     # pairs see the captures as varying over q's axes and sum nothing.
     varying_caps = aligned(q, *score_caps)[1:]
     floats = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps]
-    dq, dk, dv = _zeros_varying_like([(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
-    d_caps = _zeros_varying_like([(jnp.shape(c), jnp.float32)
-                                  for c, f in zip(score_caps, floats) if f], q, k, v)
+    dq, dk, dv = ring.pair_typed([jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
+    d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
+                              for c, f in zip(score_caps, floats) if f], q, k, v)
     in_hand = list(tokens)
     for step in range(n):
         pair = ring.pair(step, varying_caps, mask_caps, tokens, in_hand, Lc)
@@ -137,11 +135,11 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                 score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
                 implementation=ring.implementation)
             parts = [dq_p, dk_p, dv_p, *(d for d, f in zip(d_caps_p, floats) if f)]
-            return list(aligned(*(x.astype(jnp.float32) for x in parts), q, k, v)[:len(parts)])
+            return ring.pair_typed([x.astype(jnp.float32) for x in parts], q, k, v)
 
         def skip(k, v):
-            return list(_zeros_varying_like(
-                [(x.shape, jnp.float32) for x in (dq, dk, dv, *d_caps)], q, k, v))
+            return ring.pair_typed([jnp.zeros(x.shape, jnp.float32)
+                                    for x in (dq, dk, dv, *d_caps)], q, k, v)
 
         parts = lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v)
         dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]

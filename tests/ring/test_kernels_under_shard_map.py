@@ -1,0 +1,60 @@
+"""The Pallas-Triton kernels under shard_map's type checks, lowered for CUDA (on the CPU too):
+mods closing over values that vary over a mesh axis (the ring's device index, a per-device
+array) become kernel inputs, and no mesh-axis cast reaches a kernel body."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jattn
+from jattn._src import hardware
+from tests.helpers import lower_for_cuda
+
+# lower_for_cuda lowers on a CPU inside an abstract one-GPU mesh of axis "x"; shard_map then
+# takes that mesh (mesh=None). On a GPU, a mesh of its first device.
+SEQ = P(None, None, "x")
+GPU_PRESENT = hardware.has_cuda()
+
+
+@pytest.fixture(autouse=True)
+def as_if_on_gpu(monkeypatch):
+    """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+
+
+def _grad_of(attention):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",)) if GPU_PRESENT else None
+    # In replicated, then cast to vary over the axis as sequence shards do (the abstract
+    # mesh's explicit axis would need the inputs resharded otherwise).
+    def local(q, k, v, table):
+        q, k, v = (jax.lax.pcast(x, ("x",), to="varying") for x in (q, k, v))
+        return attention(q, k, v, table)
+
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(),) * 4, out_specs=SEQ)
+    return jax.grad(lambda *x: sharded(*x).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+
+
+def test_ring_forward_and_backward_lower_for_cuda():
+    def attention(q, k, v, table):
+        return jattn.ring_flex_attention(
+            q, k, v, lambda s, b, h, qi, ki: s + table[h, (qi - ki) % 64],
+            jattn.masks.causal_mask, axis_name="x", implementation="pallas_triton")
+
+    q = jnp.ones((1, 2, 256, 64), jnp.bfloat16)
+    text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2, 64), jnp.float32))
+    assert "triton" in text.lower()
+
+
+def test_flex_attention_with_a_mod_reading_the_device_index_lowers_for_cuda():
+    def attention(q, k, v, table):
+        shift = jax.lax.axis_index("x") * q.shape[2]  # varies over the mesh axis
+        return jattn.flex_attention(
+            q, k, v, lambda s, b, h, qi, ki: s + table[h, (qi + shift - ki) % 64],
+            implementation="pallas_triton")
+
+    q = jnp.ones((1, 2, 256, 64), jnp.bfloat16)
+    text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2, 64), jnp.float32))
+    assert "triton" in text.lower()
