@@ -5,8 +5,10 @@
 
 For each device count (1, 2, 4, ... up to the devices present) and layout: forward+backward
 time of the ring over a mesh of that many devices, and of flex_attention on the whole sequence
-on one device where it fits. Also, for 2, 4 and 8 devices whatever is present, the work balance
-of a simulated ring: attended (query, key) blocks per device under each layout (max / mean).
+on one device where it fits; both sides get one BlockMask of the whole sequence, built outside
+the timed step (the ring cuts its pairs' blocks from it). Also, for 2, 4 and 8 devices whatever
+is present, the work balance of a simulated ring: attended (query, key) blocks per device under
+each layout (max / mean).
 --smoke: small shapes, for a CPU with forced host devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=8).
 """
@@ -46,12 +48,12 @@ def _loss_grad(attention, cotangent):
                                                      cotangent), argnums=(0, 1, 2)))
 
 
-def time_ring(devices: int, layout: str, mask_mod, q, k, v, cotangent) -> float:
+def time_ring(devices: int, layout: str, block_mask, q, k, v, cotangent) -> float:
     mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
 
     def local(q, k, v):
-        return jattn.ring_flex_attention(q, k, v, mask_mod=mask_mod, axis_name="seq",
-                                         layout=layout, block_size=BLOCK)
+        return jattn.ring_flex_attention(q, k, v, axis_name="seq", layout=layout,
+                                         block_mask=block_mask)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
     sharded = NamedSharding(mesh, SEQ)
@@ -60,10 +62,7 @@ def time_ring(devices: int, layout: str, mask_mod, q, k, v, cotangent) -> float:
     return time_jax(step, [args])
 
 
-def time_whole(mask_mod, q, k, v, cotangent) -> float:
-    length = q.shape[2]
-    block_mask = jattn.create_block_mask(mask_mod, None, None, length, length,
-                                         block_size=BLOCK)
+def time_whole(block_mask, q, k, v, cotangent) -> float:
     step = _loss_grad(lambda q, k, v: jattn.flex_attention(q, k, v, block_mask=block_mask),
                       cotangent)
     return time_jax(step, [[q, k, v]])
@@ -103,14 +102,19 @@ def main() -> None:
                               for key in keys)
         for kind in args.masks.split(","):
             mask_mod = _mask(kind, length)
+            # One BlockMask of the whole sequence, built outside the timed step for both
+            # sides (as a training loop builds it once per batch): the ring cuts its pairs'
+            # blocks from it.
+            block_mask = jattn.create_block_mask(mask_mod, None, None, length, length,
+                                                 block_size=BLOCK)
             try:
-                whole = time_whole(mask_mod, q, k, v, cotangent)
+                whole = time_whole(block_mask, q, k, v, cotangent)
             except Exception as error:  # out of memory at the longest lengths
                 whole = float("nan")
                 print(f"  one device, whole sequence: {type(error).__name__}", flush=True)
             for devices in counts:
                 for layout in ("contiguous", "zigzag"):
-                    seconds = time_ring(devices, layout, mask_mod, q, k, v, cotangent)
+                    seconds = time_ring(devices, layout, block_mask, q, k, v, cotangent)
                     row = {"length": length, "mask": kind, "devices": devices,
                            "layout": layout, "ring_ms": seconds * 1e3,
                            "whole_one_device_ms": whole * 1e3,

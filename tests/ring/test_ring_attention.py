@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jattn
 from jattn._src.attention.reference import attention_reference
 from jattn._src.ring.attention import ring_steps
-from tests.helpers import assert_close, golden, low_precision, random, random_cotangent_vjp
+from tests.helpers import (assert_close, assert_gradients_close, golden, low_precision, random,
+                           random_cotangent_vjp)
 
 SEQ = P(None, None, "seq")
 L, E = 256, 16
@@ -239,6 +240,62 @@ def test_zigzag_round_trip_and_errors():
     with pytest.raises(ValueError, match=r"q's shard has 128 positions and k/v's 64.*"
                                          r"\(q \(1, 1, 128, 16\), k \(1, 1, 64, 16\)\)"):
         _ring(2, None, None, "contiguous")(jnp.ones((1, 1, L, E)), *(jnp.ones((1, 1, 128, E)),) * 2)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_a_whole_sequence_block_mask_equals_its_mask_mod(layout, mask):
+    """Pairs cut from a BlockMask of the whole sequence: the mask_mod's result, bitwise, the
+    same pairs skipped; gradients against the float64 golden."""
+    n = 4
+    rng = np.random.default_rng(13)
+    q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
+    whole_mask = _block_mask(MASKS[mask])
+
+    def by_block_mask(q, k, v):
+        out, lse, launched = ring_steps(q, k, v, _alibi_softcap, axis_name="seq",
+                                        layout=layout, scale=None, enable_gqa=False,
+                                        implementation="xla", block_size=16,
+                                        block_mask=whole_mask)
+        return out, lse, launched[None]
+
+    cut = jax.jit(jax.shard_map(by_block_mask, mesh=_mesh(n), in_specs=(SEQ,) * 3,
+                                out_specs=(SEQ, SEQ, P("seq"))))
+    args = [_reorder(x, n, layout) for x in (q, k, v)]
+    for ours, built in zip(cut(*args), _ring(n, MASKS[mask], _alibi_softcap, layout)(*args)):
+        np.testing.assert_array_equal(ours, built)
+
+    def ring(q, k, v):
+        def local(q, k, v):
+            return jattn.ring_flex_attention(q, k, v, _alibi_softcap, axis_name="seq",
+                                             layout=layout, implementation="xla",
+                                             block_mask=whole_mask)
+
+        sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3, out_specs=SEQ)
+        return _restore(sharded(*(_reorder(x, n, layout) for x in (q, k, v))), n, layout)
+
+    assert_gradients_close(ring, lambda *x: _whole(MASKS[mask], _alibi_softcap)(*x)[0],
+                           (q, k, v), random(rng, q.shape, jnp.float32), ["q", "k", "v"])
+
+
+def test_whole_sequence_block_mask_errors():
+    def call(block_mask, mask_mod=None, layout="contiguous"):
+        def local(q, k, v):
+            return jattn.ring_flex_attention(q, k, v, mask_mod=mask_mod, axis_name="seq",
+                                             layout=layout, block_mask=block_mask)
+
+        q = jnp.ones((1, 1, L, E))
+        return jax.shard_map(local, mesh=_mesh(4), in_specs=(SEQ,) * 3, out_specs=SEQ)(q, q, q)
+
+    causal = jattn.masks.causal_mask
+    with pytest.raises(ValueError, match="mask_mod or block_mask, not both"):
+        call(_block_mask(causal), causal)
+    with pytest.raises(ValueError, match=r"whole sequence, .* \(1\|1, 1\|1, 256, 256\) over "
+                                         r"4 shards of 64; it has shape \(1, 1, 64, 64\)"):
+        call(jattn.create_block_mask(causal, None, None, 64, 64, block_size=16))
+    with pytest.raises(ValueError, match=r"blocks \(64, 64\) must tile each zigzag chunk of "
+                                         r"32 positions"):
+        call(jattn.create_block_mask(causal, None, None, L, L, block_size=64), layout="zigzag")
 
 
 def test_one_device_mesh_equals_flex_attention_bitwise():

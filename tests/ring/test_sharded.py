@@ -38,16 +38,19 @@ SPLITS = {
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_equals_flex_attention_on_the_whole_arrays(split):
+@pytest.mark.parametrize("given", ["mask_mod", "block_mask"])
+def test_equals_flex_attention_on_the_whole_arrays(split, given):
     shape, names, axes = SPLITS[split]
     rng = np.random.default_rng(len(split))
     q = random(rng, (B, Hq, L, E), jnp.float32)
     k, v = (random(rng, (B, Hkv, L, E), jnp.float32) for _ in range(2))
     mesh = _mesh(shape, names)
-    out, lse = jax.jit(lambda q, k, v: jattn.sharded_flex_attention(
-        q, k, v, _bias_by_head, _window_by_batch, mesh=mesh, enable_gqa=True, return_lse=True,
-        implementation="xla", block_size=32, **axes))(q, k, v)
+    # Per batch row (and head): each device takes its own rows of a whole-arrays BlockMask.
     block_mask = jattn.create_block_mask(_window_by_batch, B, Hq, L, L, block_size=32)
+    mask = {"mask_mod": _window_by_batch} if given == "mask_mod" else {"block_mask": block_mask}
+    out, lse = jax.jit(lambda q, k, v: jattn.sharded_flex_attention(
+        q, k, v, _bias_by_head, mesh=mesh, enable_gqa=True, return_lse=True,
+        implementation="xla", block_size=32, **mask, **axes))(q, k, v)
 
     def whole(q, k, v):
         return attention_reference(q, k, v, _bias_by_head, block_mask)

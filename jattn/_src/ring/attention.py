@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.attention.api import flex_attention, flex_attention_backward
+from jattn._src.masks.block_mask import BlockMask
 from jattn._src.mesh_axes import aligned, summed_to_vary_like
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
@@ -41,14 +42,25 @@ class _Ring:
     enable_gqa: bool
     implementation: str | None
     block_size: int
+    cut_block: tuple[int, int] | None  # the given whole-sequence BlockMask's block size
 
     def pair(self, step: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
-        """(Pair, the device whose K/V shard is in hand) at ring step `step`."""
+        """The Pair of ring step `step`: this device's queries, the K/V shard in hand."""
+        return Pair.make(self.mods, **self._devices(step), shard=shard, layout=self.layout,
+                         score_caps=score_caps, mask_caps=mask_caps, tokens=tokens,
+                         tokens_in_hand=tokens_in_hand)
+
+    def _devices(self, step: int) -> dict:
         n, me = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
-        origin = lax.rem(me - step + n, n)
-        return Pair.make(self.mods, me=me, origin=origin, num_devices=n, shard=shard,
-                         layout=self.layout, score_caps=score_caps, mask_caps=mask_caps,
-                         tokens=tokens, tokens_in_hand=tokens_in_hand)
+        return dict(me=me, origin=lax.rem(me - step + n, n), num_devices=n)
+
+    def pair_block_mask(self, step: int, pair: Pair, tables, B: int, Hq: int, shard: int):
+        """The pair's BlockMask: cut from the whole sequence's block tables where the call
+        gave a BlockMask, else built from the mask_mod (None: every key attends)."""
+        if tables is None:
+            return pair.block_mask(self.mods, B, Hq, shard, self.block_size)
+        return pair.cut_block_mask(tables, **self._devices(step), shard=shard,
+                                   layout=self.layout, block_size=self.cut_block)
 
     def pair_typed(self, xs, *operands) -> list:
         """xs cast to vary over every mesh axis a pair's result may: the operands' and the
@@ -72,7 +84,16 @@ def _merge(out, lse, step_out, step_lse):
     return out, new
 
 
-def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
+def _dense_tables(whole_mask):
+    """(partial, full or None) [Bm, Hm, nQ, nKV] bool tables of the whole sequence's
+    BlockMask, or None without one."""
+    if whole_mask is None:
+        return None
+    full = whole_mask.full_blocks() if whole_mask.full_kv_num_blocks is not None else None
+    return whole_mask.partial_blocks(), full
+
+
+def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
     device: int32, each step's BlockMask without its mask_mod, or None)."""
     n = lax.axis_size(ring.axis_name)
@@ -80,9 +101,10 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
     out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
     lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
     launched, block_masks, in_hand = jnp.int32(0), [], list(tokens)
+    tables = _dense_tables(whole_mask)
     for step in range(n):
         pair = ring.pair(step, score_caps, mask_caps, tokens, in_hand, Lc)
-        block_mask = pair.block_mask(ring.mods, B, Hq, Lc, ring.block_size)
+        block_mask = ring.pair_block_mask(step, pair, tables, B, Hq, Lc)
         blocks = visited_blocks(block_mask)
 
         def attend(k, v, pair=pair, block_mask=block_mask):
@@ -157,18 +179,19 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring_attention(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
-    return _forward(ring, q, k, v, score_caps, mask_caps, tokens)[:2]
+def _ring_attention(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
+    return _forward(ring, q, k, v, score_caps, mask_caps, tokens, whole_mask)[:2]
 
 
-def _ring_attention_fwd(ring: _Ring, q, k, v, score_caps, mask_caps, tokens):
-    out, lse, _, block_masks = _forward(ring, q, k, v, score_caps, mask_caps, tokens)
+def _ring_attention_fwd(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
+    out, lse, _, block_masks = _forward(ring, q, k, v, score_caps, mask_caps, tokens,
+                                        whole_mask)
     return (out, lse), (q, k, v, score_caps, mask_caps, tokens, out, lse, block_masks)
 
 
 def _ring_attention_bwd(ring: _Ring, residuals, cotangents):
     dq, dk, dv, d_score_caps = _backward(ring, residuals, *cotangents)
-    return dq, dk, dv, d_score_caps, None, None
+    return dq, dk, dv, d_score_caps, None, None, None
 
 
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
@@ -188,8 +211,30 @@ def _check_tokens(token_arrays: Sequence[jax.Array], shard: int) -> list[jax.Arr
     return tokens
 
 
+def _check_whole_mask(block_mask, mask_mod, q, num_devices: int, layout: str) -> None:
+    if block_mask is None:
+        return
+    if mask_mod is not None:
+        raise ValueError(f"{_FN}: give mask_mod or block_mask, not both (a BlockMask carries "
+                         "its mask_mod).")
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"{_FN}: `block_mask` must be a jattn.BlockMask of the whole sequence, "
+                        f"got {type(block_mask).__name__}.")
+    (B, Hq, Lc, _), L = q.shape, num_devices * q.shape[2]
+    Bm, Hm, Lm, Sm = block_mask.shape
+    if (Lm, Sm) != (L, L) or Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"{_FN}: block_mask must be built for the whole sequence, (B|1, "
+                         f"Hq|1, L, L) = ({B}|1, {Hq}|1, {L}, {L}) over {num_devices} shards "
+                         f"of {Lc}; it has shape {block_mask.shape}.")
+    chunk = Lc // 2 if layout == "zigzag" else Lc
+    if any(chunk % size for size in block_mask.block_size):
+        raise ValueError(f"{_FN}: block_mask's blocks {block_mask.block_size} must tile each "
+                         f"{layout} chunk of {chunk} positions; build it with a block_size "
+                         f"dividing {chunk}.")
+
+
 def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
-           implementation, block_size, token_arrays):
+           implementation, block_size, token_arrays, block_mask):
     """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens)."""
     n = lax.axis_size(axis_name)
     Lc, Sc = q.shape[2], k.shape[2]
@@ -197,22 +242,27 @@ def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa
     if Lc != Sc:
         raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
                          f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
+    _check_whole_mask(block_mask, mask_mod, q, n, layout)
+    if block_mask is not None:
+        mask_mod = block_mask.mask_mod
     tokens = _check_tokens(token_arrays, Lc)
     views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
     mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
-    ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size)
+    ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size,
+                 None if block_mask is None else block_mask.block_size)
     return ring, tuple(score_caps), tuple(mask_caps), tuple(tokens)
 
 
 def ring_steps(q, k, v, score_mod=None, mask_mod=None, *, axis_name: str, layout: str, scale,
-               enable_gqa: bool, implementation, block_size: int, token_arrays=()):
+               enable_gqa: bool, implementation, block_size: int, token_arrays=(),
+               block_mask=None):
     """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
     device: int32) of ring_flex_attention inside shard_map, not differentiable."""
     ring, score_caps, mask_caps, tokens = _setup(
         q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
         enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
-        token_arrays=token_arrays)
-    return _forward(ring, q, k, v, score_caps, mask_caps, tokens)[:3]
+        token_arrays=token_arrays, block_mask=block_mask)
+    return _forward(ring, q, k, v, score_caps, mask_caps, tokens, block_mask)[:3]
 
 
 def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -221,7 +271,8 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         layout: str = "contiguous", scale: float | None = None,
                         enable_gqa: bool = False, return_lse: bool = False,
                         implementation: str | None = None, block_size: int = 128,
-                        token_arrays: Sequence[jax.Array] = ()):
+                        token_arrays: Sequence[jax.Array] = (),
+                        block_mask: BlockMask | None = None):
     """flex_attention over a sequence sharded across the devices of a mesh axis (a ring).
 
     Call it inside `jax.shard_map` with q, k and v sharded along the sequence (axis 2) over
@@ -247,6 +298,11 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         `mask_mod(b, h, q_idx, kv_idx, *tokens)`, each the array over the whole sequence
         [..., L], to index with the global positions (`doc[q_idx] == doc[kv_idx]`). The key
         side's shard travels around the ring with k.
+      block_mask: instead of mask_mod, a BlockMask of the whole sequence (built once for
+        [B|1, Hq|1, L, L], e.g. by `jattn.create_block_mask` outside shard_map; its mask_mod
+        on global positions, the sequence in its original order): each pair's blocks are cut
+        from it, so no mask is evaluated to find them. Its blocks must tile each shard (each
+        half shard for zigzag).
 
     Returns:
       [B, Hq, Lc, Ev] of q's dtype, this device's shard of the output; with return_lse also
@@ -268,6 +324,6 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     ring, score_caps, mask_caps, tokens = _setup(
         q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
         enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
-        token_arrays=token_arrays)
-    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens)
+        token_arrays=token_arrays, block_mask=block_mask)
+    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, block_mask)
     return (out, lse) if return_lse else out

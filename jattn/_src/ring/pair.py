@@ -147,12 +147,28 @@ class Pair:
 
     def block_mask(self, mods: RingMods, B: int, Hq: int, shard: int,
                    block_size: int) -> BlockMask | None:
-        """The pair's BlockMask (None: every key attends)."""
+        """The pair's BlockMask built from its mask (None: every key attends)."""
         if self.mask is None:
             return None
         return create_block_mask(self.mask, B if mods.uses_batch else None,
                                  Hq if mods.uses_head else None, shard, shard,
                                  block_size=block_size)
+
+    def cut_block_mask(self, tables: tuple[jax.Array, jax.Array | None], *, me, origin,
+                       num_devices: int, shard: int, layout: str,
+                       block_size: tuple[int, int]) -> BlockMask:
+        """The pair's BlockMask cut from the whole sequence's dense block tables (partial,
+        full): the rows of this device's query blocks and the columns of the shard in hand's
+        key blocks. No mask is evaluated."""
+        def starts(device, block):
+            positions = jnp.arange(0, shard, block, dtype=jnp.int32)
+            return global_positions(positions, device, num_devices, shard, layout) // block
+
+        rows = starts(me, block_size[0])[:, None]
+        columns = starts(origin, block_size[1])[None, :]
+        partial, full = (None if t is None else t[..., rows, columns] for t in tables)
+        return BlockMask.from_dense_blocks(partial, full, block_size=block_size,
+                                           seq_lengths=(shard, shard), mask_mod=self.mask)
 
 
 def visited_blocks(block_mask: BlockMask | None) -> jax.Array:

@@ -7,6 +7,7 @@ head and sequence indices wherever the axes are split.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn._src.attention.api import flex_attention
+from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
 from jattn._src.ring.attention import ring_flex_attention
 from jattn._src.ring.pair import uses_batch_or_head
@@ -66,7 +68,8 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            sequence_axis: str | None = None, layout: str = "contiguous",
                            scale: float | None = None, enable_gqa: bool = False,
                            return_lse: bool = False, implementation: str | None = None,
-                           block_size: int = 128, token_arrays: Sequence[jax.Array] = ()):
+                           block_size: int = 128, token_arrays: Sequence[jax.Array] = (),
+                           block_mask: BlockMask | None = None):
     """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
     over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
 
@@ -85,6 +88,10 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         (document ids, ...): the mods take one more argument per array, as in
         ring_flex_attention. Split with the sequence (the key side travelling with k),
         whole on every device otherwise.
+      block_mask: instead of mask_mod, a BlockMask of the whole arrays ([B|1, Hq|1, L, L],
+        from `jattn.create_block_mask`; its mask_mod on global indices): each device takes
+        its batch rows' and heads' blocks, and the ring cuts each pair's from it (see
+        ring_flex_attention), so no mask is evaluated to find them.
 
     Returns:
       [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
@@ -101,6 +108,14 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
     _check_axes(mesh, q, k, axes)
     _check_tokens(token_arrays, q.shape[2])
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise ValueError(f"{_FN}: give mask_mod or block_mask, not both (a BlockMask "
+                             "carries its mask_mod).")
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"{_FN}: `block_mask` must be a jattn.BlockMask of the whole "
+                            f"arrays, got {type(block_mask).__name__}.")
+        mask_mod = block_mask.mask_mod
     spec = P(batch_axis, head_axis, sequence_axis)
     B_local = q.shape[0] // (1 if batch_axis is None else mesh.shape[batch_axis])
     H_local = q.shape[1] // (1 if head_axis is None else mesh.shape[head_axis])
@@ -114,24 +129,39 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             lambda b, h, qi, ki, *more: mask_mod(b + b0, h + h0, qi, ki, *tokens, *more))
         return score, mask
 
-    def local(q, k, v, *tokens):
+    def local_blocks(whole, mask):
+        """This device's batch rows and heads of the whole BlockMask, reading `mask`."""
+        Bm, Hm = whole.shape[:2]
+
+        def rows(x):
+            if batch_axis is not None and Bm > 1:
+                x = lax.dynamic_slice_in_dim(x, _offset(batch_axis, B_local), B_local, 0)
+            if head_axis is not None and Hm > 1:
+                x = lax.dynamic_slice_in_dim(x, _offset(head_axis, H_local), H_local, 1)
+            return x
+
+        return dataclasses.replace(jax.tree.map(rows, whole), mask_mod=mask)
+
+    def local(q, k, v, whole, *tokens):
         if sequence_axis is not None:
             score, mask = global_mods()
-            return ring_flex_attention(q, k, v, score, mask, axis_name=sequence_axis,
-                                       layout=layout, scale=scale, enable_gqa=enable_gqa,
-                                       return_lse=True, implementation=implementation,
-                                       block_size=block_size, token_arrays=tokens)
+            blocks = None if whole is None else local_blocks(whole, mask)
+            return ring_flex_attention(q, k, v, score, mask if whole is None else None,
+                                       axis_name=sequence_axis, layout=layout, scale=scale,
+                                       enable_gqa=enable_gqa, return_lse=True,
+                                       implementation=implementation, block_size=block_size,
+                                       token_arrays=tokens, block_mask=blocks)
         score, mask = global_mods(*tokens)
-        block_mask = None
-        if mask is not None:
+        blocks = None if whole is None else local_blocks(whole, mask)
+        if whole is None and mask is not None:
             uses_b, uses_h = uses_batch_or_head(mask)
-            block_mask = create_block_mask(mask, q.shape[0] if uses_b else None,
-                                           q.shape[1] if uses_h else None, q.shape[2],
-                                           k.shape[2], block_size=block_size)
-        return flex_attention(q, k, v, score, block_mask, scale=scale, enable_gqa=enable_gqa,
+            blocks = create_block_mask(mask, q.shape[0] if uses_b else None,
+                                       q.shape[1] if uses_h else None, q.shape[2],
+                                       k.shape[2], block_size=block_size)
+        return flex_attention(q, k, v, score, blocks, scale=scale, enable_gqa=enable_gqa,
                               return_lse=True, implementation=implementation)
 
     token_specs = tuple(P(*(None,) * (jnp.ndim(x) - 1), sequence_axis) for x in token_arrays)
-    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + token_specs,
-                             out_specs=(spec, spec))(q, k, v, *token_arrays)
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),) + token_specs,
+                             out_specs=(spec, spec))(q, k, v, block_mask, *token_arrays)
     return (out, lse) if return_lse else out
