@@ -291,7 +291,7 @@ def _flex_static(device, facts, mods, block_size, seq_lengths, scale, enable_gqa
     of the call, for the implementation choice)."""
     chosen = implementation_for("flex_attention", device, implementation,
                                 seq_lengths=tuple(seq_lengths), block_size=tuple(block_size),
-                                **facts)
+                                score_mod=not mods.startswith(","), **facts)
     return dict(mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
                 scale=scale, enable_gqa=enable_gqa, implementation=chosen, config=config)
 

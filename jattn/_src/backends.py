@@ -53,11 +53,15 @@ BACKENDS = {backend.name: backend
             for backend in (PALLAS_TRITON, XLA, INTERPRET, PALLAS_MOSAIC_GPU)}
 
 # The order tried on each platform when the caller names no implementation: the first that
-# supports the call wins.
-DEFAULT_ORDER = {"gpu": ("pallas_triton", "xla"), "cpu": ("xla",)}
+# the op has, that supports the call and that is not measured slower there wins.
+DEFAULT_ORDER = {"gpu": ("pallas_mosaic_gpu", "pallas_triton", "xla"), "cpu": ("xla",)}
 
 
 def _supports_everything(**facts: Any) -> str | None:
+    return None
+
+
+def _never_slower(**facts: Any) -> str | None:
     return None
 
 
@@ -67,6 +71,8 @@ class Implementation:
 
     module: the op's entry points on this backend (their names and signatures are the op's
     business). unsupported(**facts): why this implementation cannot run a call, or None.
+    slower(**facts): why the default choice passes it over for a call it supports (measured
+    slower there than the next in DEFAULT_ORDER), or None; naming it still runs it.
     config_class / heuristic / search_space: the backend's tunables, where it has any.
     """
 
@@ -74,6 +80,7 @@ class Implementation:
     backend: Backend
     module: Any = None
     unsupported: Callable[..., str | None] = _supports_everything
+    slower: Callable[..., str | None] = _never_slower
     config_class: type | None = None
     heuristic: Callable[..., Any] | None = None
     search_space: Callable[..., Any] | None = None
@@ -205,7 +212,11 @@ def resolve(op: str, implementation: str | None = None, *, platform: str | None 
             warnings.warn(f"jattn: {IMPLEMENTATION_ENV}={requested!r} cannot run on {platform}; "
                           f"calls there use the platform default.", stacklevel=3)
     for name in candidates:
-        reason = _why_not(available.get(name), name, op, platform, facts)
+        if name not in available:  # a backend this op has no implementation on
+            continue
+        reason = _why_not(available[name], name, op, platform, facts)
+        if reason is None:
+            reason = available[name].slower(**facts)
         if reason is None:
             _record(Resolution(op, name, source, tuple(skipped)))
             return available[name]

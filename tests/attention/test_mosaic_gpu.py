@@ -65,6 +65,32 @@ def test_the_environment_variable_applies_where_the_call_is_supported(
                           **_facts(captures=captures)) == chosen
 
 
+@pytest.mark.parametrize("facts, chosen", [
+    (dict(), MOSAIC),
+    (dict(head_dim=64, value_dim=64, seq_lengths=(4096, 4096)), MOSAIC),
+    (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024), score_mod=True), MOSAIC),
+    (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024)), "pallas_triton"),
+    (dict(captures=1), "pallas_triton"),
+])
+def test_hopper_defaults_to_mosaic_where_measured_faster(as_if_on_hopper, facts, chosen):
+    """The default choice (jattn's calls and the torch ops alike) takes the Mosaic forward
+    except where it cannot run the call or pallas_triton's was measured faster."""
+    assert bridge.resolve("flex_attention", None, on_cuda=True, **_facts(**facts)) == chosen
+    with backends.recording() as seen:
+        backends.resolve("flex_attention", platform="gpu", **_facts(**facts))
+    if chosen != MOSAIC:
+        assert "skipped pallas_mosaic_gpu" in str(seen[0])
+
+
+def test_other_gpus_and_other_ops_default_to_pallas_triton(monkeypatch):
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "is_hopper", lambda: False)
+    assert backends.resolve("flex_attention", platform="gpu", **_facts()).name == "pallas_triton"
+    with backends.recording() as seen:  # ops without a Mosaic implementation skip it quietly
+        assert backends.resolve("matmul", platform="gpu").name == "pallas_triton"
+    assert not seen[0].skipped
+
+
 def test_other_ops_say_they_have_no_mosaic_implementation():
     with pytest.raises(ValueError, match="matmul has no pallas_mosaic_gpu implementation"):
         backends.resolve("matmul", MOSAIC, platform="gpu")

@@ -242,12 +242,12 @@ def test_zigzag_round_trip_and_errors():
         _ring(2, None, None, "contiguous")(jnp.ones((1, 1, L, E)), *(jnp.ones((1, 1, 128, E)),) * 2)
 
 
+@pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("mask", ["causal", "document"])
-def test_a_whole_sequence_block_mask_equals_its_mask_mod(layout, mask):
-    """Pairs cut from a BlockMask of the whole sequence: the mask_mod's result, bitwise, the
-    same pairs skipped; gradients against the float64 golden."""
-    n = 4
+def test_a_whole_sequence_block_mask_equals_its_mask_mod(n, layout, mask):
+    """Pairs cut from a BlockMask of the whole sequence (on one device, the whole of it): the
+    mask_mod's result, bitwise, the same pairs skipped; gradients against the float64 golden."""
     rng = np.random.default_rng(13)
     q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
     whole_mask = _block_mask(MASKS[mask])

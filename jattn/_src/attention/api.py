@@ -105,8 +105,8 @@ backends.register_xla_and_kernels(_OP, xla, pallas_triton, config_class=Attentio
                                   heuristic=heuristic_config)
 backends.register(backends.Implementation(
     _OP, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
-    unsupported=pallas_mosaic_gpu.unsupported, config_class=AttentionConfig,
-    heuristic=heuristic_config))
+    unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,
+    config_class=AttentionConfig, heuristic=heuristic_config))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,8 +209,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         None attends everywhere.
       scale: score scale, default 1/sqrt(E). return_lse: also return the natural-log LSE.
       config: an AttentionConfig for the kernels (None: heuristic; the XLA implementation has
-        no tunables and ignores it). implementation: "pallas_triton", "xla" or "interpret"
-        (default: $JATTN_IMPLEMENTATION, else by platform; `jattn.explain` says which and why).
+        no tunables and ignores it). implementation: "pallas_mosaic_gpu", "pallas_triton",
+        "xla" or "interpret" (default: $JATTN_IMPLEMENTATION, else by platform and call; see
+        docs/configs.md; `jattn.explain` says which and why).
       precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
         caller's setting (JAX's default: TF32 on the GPU), "highest" gives full float32 products
         in the kernels and XLA alike (torch's flex_attention default). No effect on bf16/fp16.
@@ -327,7 +328,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           with_vjp=False)
     implementation = backends.resolve(
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
-        block_size=block_mask.block_size,
+        block_size=block_mask.block_size, score_mod=score_mod is not None,
         captures=len(score_set.captures) + len(mask_set.captures))
     lists = block_mask.lists()
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,

@@ -48,6 +48,17 @@ def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
     return None
 
 
+def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str | None:
+    """Why the default choice passes this forward over for a call it supports: where
+    benchmarks/bench_mosaic_selection.py measured pallas_triton's faster (session 15, H200,
+    bf16: head dim 64 below 4096 queries without a score_mod, 0.94-0.98x; everywhere else
+    1.01-1.48x)."""
+    if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
+        return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
+                "score_mod (measured 0.94-0.98x).")
+    return None
+
+
 def _tile_signature():
     tile = (ROWS, BLOCK[1])
     index = jax.ShapeDtypeStruct(tile, jnp.int32)

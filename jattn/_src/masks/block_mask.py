@@ -43,9 +43,19 @@ def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) ->
 
 
 def lists_from_dense(table: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[..., rows, columns] bool -> (counts [..., rows], ascending column lists, set ones first)."""
+    """[..., rows, columns] bool -> (counts [..., rows], ascending column lists, set ones first).
+
+    The lists are the stable argsort of ~table, built without a sort: each column is ranked
+    among the set (or unset) ones by a cumulative sum and scattered to its rank."""
+    table = table.astype(bool)
     num_blocks = table.sum(axis=-1, dtype=jnp.int32)
-    indices = jnp.argsort(~table, axis=-1, stable=True).astype(jnp.int32)
+    set_rank = jnp.cumsum(table, axis=-1, dtype=jnp.int32) - 1
+    unset_rank = jnp.cumsum(~table, axis=-1, dtype=jnp.int32) - 1
+    rank = jnp.where(table, set_rank, num_blocks[..., None] + unset_rank)
+    columns = jnp.broadcast_to(jnp.arange(table.shape[-1], dtype=jnp.int32), table.shape)
+    lead = jnp.indices(table.shape, sparse=True)[:-1]
+    indices = jnp.zeros(table.shape, jnp.int32).at[(*lead, rank)].set(
+        columns, unique_indices=True)
     return num_blocks, indices
 
 

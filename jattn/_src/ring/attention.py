@@ -54,11 +54,15 @@ class _Ring:
         n, me = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
         return dict(me=me, origin=lax.rem(me - step + n, n), num_devices=n)
 
-    def pair_block_mask(self, step: int, pair: Pair, tables, B: int, Hq: int, shard: int):
+    def pair_block_mask(self, step: int, pair: Pair, whole_mask, tables, B: int, Hq: int,
+                        shard: int):
         """The pair's BlockMask: cut from the whole sequence's block tables where the call
-        gave a BlockMask, else built from the mask_mod (None: every key attends)."""
-        if tables is None:
+        gave a BlockMask (on one device, the pair is the whole sequence), else built from the
+        mask_mod (None: every key attends)."""
+        if whole_mask is None:
             return pair.block_mask(self.mods, B, Hq, shard, self.block_size)
+        if tables is None:
+            return dataclasses.replace(whole_mask, mask_mod=pair.mask)
         return pair.cut_block_mask(tables, **self._devices(step), shard=shard,
                                    layout=self.layout, block_size=self.cut_block)
 
@@ -84,10 +88,10 @@ def _merge(out, lse, step_out, step_lse):
     return out, new
 
 
-def _dense_tables(whole_mask):
+def _dense_tables(whole_mask, num_devices: int):
     """(partial, full or None) [Bm, Hm, nQ, nKV] bool tables of the whole sequence's
-    BlockMask, or None without one."""
-    if whole_mask is None:
+    BlockMask to cut the pairs' from; None without one, or on one device (nothing to cut)."""
+    if whole_mask is None or num_devices == 1:
         return None
     full = whole_mask.full_blocks() if whole_mask.full_kv_num_blocks is not None else None
     return whole_mask.partial_blocks(), full
@@ -101,10 +105,10 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
     lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
     launched, block_masks, in_hand = jnp.int32(0), [], list(tokens)
-    tables = _dense_tables(whole_mask)
+    tables = _dense_tables(whole_mask, n)
     for step in range(n):
         pair = ring.pair(step, score_caps, mask_caps, tokens, in_hand, Lc)
-        block_mask = ring.pair_block_mask(step, pair, tables, B, Hq, Lc)
+        block_mask = ring.pair_block_mask(step, pair, whole_mask, tables, B, Hq, Lc)
         blocks = visited_blocks(block_mask)
 
         def attend(k, v, pair=pair, block_mask=block_mask):
