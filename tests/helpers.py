@@ -120,13 +120,14 @@ def assert_bitwise_equal_runs(fn: Callable[[], Any]) -> None:
 
 
 @contextlib.contextmanager
-def _abstract_cuda_device():
-    """jax >= 0.11 lowers for CUDA on a CPU machine only inside an abstract H100 mesh."""
+def _abstract_cuda_device(devices: int = 1):
+    """jax >= 0.11 lowers for CUDA on a CPU machine only inside an abstract H100 mesh (of
+    `devices` along axis "x")."""
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     try:
         device = AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-        mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+        mesh = AbstractMesh((devices,), ("x",), (AxisType.Explicit,), abstract_device=device)
     except TypeError:  # jax 0.10 needs (and accepts) no abstract device
         yield
         return
@@ -134,13 +135,14 @@ def _abstract_cuda_device():
         yield
 
 
-def lower_for_cuda(fn: Callable[..., Any], *args: Any) -> str:
+def lower_for_cuda(fn: Callable[..., Any], *args: Any, devices: int = 1) -> str:
     """StableHLO text of fn lowered for CUDA, Pallas kernels through the Triton lowering.
 
     Runs on a CPU machine: it checks what the Triton lowering rejects (non-power-of-two tensors,
-    unsupported primitives) without a GPU. Triton's own PTX compile is not run.
+    unsupported primitives) without a GPU. Triton's own PTX compile is not run. On the CPU,
+    fn runs inside an abstract mesh of `devices` GPUs along axis "x" (for shard_map(mesh=None)).
     """
     if has_cuda():
         return jax.jit(fn).lower(*args).as_text()
-    with _abstract_cuda_device():
+    with _abstract_cuda_device(devices):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -13,8 +13,8 @@ import jattn
 from jattn._src import hardware
 from tests.helpers import lower_for_cuda
 
-# lower_for_cuda lowers on a CPU inside an abstract one-GPU mesh of axis "x"; shard_map then
-# takes that mesh (mesh=None). On a GPU, a mesh of its first device.
+# lower_for_cuda lowers on a CPU inside an abstract mesh of GPUs along axis "x"; shard_map
+# then takes that mesh (mesh=None). On a GPU, a mesh of its first device.
 SEQ = P(None, None, "x")
 GPU_PRESENT = hardware.has_cuda()
 
@@ -44,7 +44,9 @@ def test_ring_forward_and_backward_lower_for_cuda():
             jattn.masks.causal_mask, axis_name="x", implementation="pallas_triton")
 
     q = jnp.ones((1, 2, 256, 64), jnp.bfloat16)
-    text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2, 64), jnp.float32))
+    # Two devices on the CPU: on one, the ring's device index is a constant.
+    text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2, 64), jnp.float32),
+                          devices=2)
     assert "triton" in text.lower()
 
 

@@ -51,7 +51,10 @@ class _Ring:
                          tokens_in_hand=tokens_in_hand)
 
     def _devices(self, step: int) -> dict:
-        n, me = lax.axis_size(self.axis_name), lax.axis_index(self.axis_name)
+        n = lax.axis_size(self.axis_name)
+        if n == 1:  # a constant index: the pair's mods then read no device index, so the
+            return dict(me=0, origin=0, num_devices=1)  # call runs where flex_attention's does
+        me = lax.axis_index(self.axis_name)
         return dict(me=me, origin=lax.rem(me - step + n, n), num_devices=n)
 
     def pair_block_mask(self, step: int, pair: Pair, whole_mask, tables, B: int, Hq: int,
