@@ -87,14 +87,15 @@ def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, ma
     assert_close(lse[..., 0], gold_lse, low_lse, what="lse")
 
 
-def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=()):
+def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=(), enable_gqa=False):
     """ring_flex_attention over n devices on global (out, lse), the layout undone."""
     specs = tuple(P(*(None,) * (x.ndim - 1), "seq") for x in token_arrays)
 
     def local(q, k, v, *tokens):
         return jattn.ring_flex_attention(q, k, v, score_mod, mask_mod, axis_name="seq",
                                          layout=layout, return_lse=True, implementation="xla",
-                                         block_size=16, token_arrays=tokens)
+                                         block_size=16, token_arrays=tokens,
+                                         enable_gqa=enable_gqa)
 
     sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3 + specs,
                             out_specs=(SEQ, SEQ))
@@ -113,18 +114,20 @@ def _score_mod_of(table):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_gradients_of_q_k_v_and_a_learnable_table(layout):
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_gradients_of_q_k_v_and_a_learnable_table(layout, mask):
     n = 4
     rng = np.random.default_rng(7)
-    q, k, v = (random(rng, (1, 4, L, E), jnp.float32) for _ in range(3))
+    q = random(rng, (1, 4, L, E), jnp.float32)
+    k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(2))  # GQA: 2 kv heads
     cotangents = random(rng, q.shape, jnp.float32), random(rng, q.shape[:3], jnp.float32)
 
     def ring(q, k, v, table):
-        return _differentiable_ring(n, jattn.masks.causal_mask, _score_mod_of(table),
-                                    layout)(q, k, v)
+        return _differentiable_ring(n, MASKS[mask], _score_mod_of(table), layout,
+                                    enable_gqa=True)(q, k, v)
 
     def whole(q, k, v, table):
-        return _whole(jattn.masks.causal_mask, _score_mod_of(table))(q, k, v)
+        return _whole(MASKS[mask], _score_mod_of(table))(q, k, v)
 
     # The LSE gets a cotangent too: its gradient flows through the same pairs.
     ours = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangents))(q, k, v, TABLE)
