@@ -25,6 +25,7 @@ from jax import lax
 from jattn._src.attention.api import flex_attention, flex_attention_backward
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.mesh_axes import aligned, summed_to_vary_like
+from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
 
@@ -204,29 +205,9 @@ def _ring_attention_bwd(ring: _Ring, residuals, cotangents):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def _check_tokens(token_arrays: Sequence[jax.Array], shard: int) -> list[jax.Array]:
-    tokens = [jnp.asarray(x) for x in token_arrays]
-    for i, x in enumerate(tokens):
-        if x.ndim == 0 or x.shape[-1] != shard:
-            raise ValueError(f"{_FN}: token_arrays[{i}] has shape {x.shape}; a per-token array "
-                             f"is sharded like q along its last axis, which must be this "
-                             f"device's {shard} positions.")
-        if jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(f"{_FN}: token_arrays[{i}] is {x.dtype}; per-token arrays are "
-                            "integer or bool (document ids, positions) and get no gradient. "
-                            "Close over a replicated array instead for a float one.")
-    return tokens
-
-
-def _check_whole_mask(block_mask, mask_mod, q, num_devices: int, layout: str) -> None:
+def _check_whole_mask(block_mask: BlockMask | None, q, num_devices: int, layout: str) -> None:
     if block_mask is None:
         return
-    if mask_mod is not None:
-        raise ValueError(f"{_FN}: give mask_mod or block_mask, not both (a BlockMask carries "
-                         "its mask_mod).")
-    if not isinstance(block_mask, BlockMask):
-        raise TypeError(f"{_FN}: `block_mask` must be a jattn.BlockMask of the whole sequence, "
-                        f"got {type(block_mask).__name__}.")
     (B, Hq, Lc, _), L = q.shape, num_devices * q.shape[2]
     Bm, Hm, Lm, Sm = block_mask.shape
     if (Lm, Sm) != (L, L) or Bm not in (1, B) or Hm not in (1, Hq):
@@ -249,10 +230,10 @@ def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa
     if Lc != Sc:
         raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
                          f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
-    _check_whole_mask(block_mask, mask_mod, q, n, layout)
-    if block_mask is not None:
-        mask_mod = block_mask.mask_mod
-    tokens = _check_tokens(token_arrays, Lc)
+    mask_mod = mask_mod_of(_FN, mask_mod, block_mask, "sequence")
+    _check_whole_mask(block_mask, q, n, layout)
+    tokens = checked_token_arrays(_FN, token_arrays, Lc, "is sharded like q along its last "
+                                  f"axis, which must be this device's {Lc} positions")
     views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
     mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
     ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size,

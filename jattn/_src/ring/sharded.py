@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jattn._src.attention.api import flex_attention
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
+from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.attention import ring_flex_attention
 from jattn._src.ring.pair import uses_batch_or_head
 
@@ -47,18 +48,6 @@ def _check_axes(mesh: Mesh, q, k, axes: dict[str, str | None]) -> None:
                 raise ValueError(f"{_FN}: {label}'s {name} ({x.shape[dim]}, shape {x.shape}) "
                                  f"must divide evenly over the {size} devices of mesh axis "
                                  f"{axis!r}.")
-
-
-def _check_tokens(token_arrays: Sequence[jax.Array], length: int) -> None:
-    for i, x in enumerate(token_arrays):
-        shape, dtype = jnp.shape(x), jnp.result_type(x)
-        if not shape or shape[-1] != length:
-            raise ValueError(f"{_FN}: token_arrays[{i}] has shape {shape}; a per-token array "
-                             f"has the sequence ({length} positions) as its last axis.")
-        if jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"{_FN}: token_arrays[{i}] is {dtype}; per-token arrays are "
-                            "integer or bool (document ids, positions) and get no gradient. "
-                            "Close over a float array in the mod instead.")
 
 
 def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -107,15 +96,9 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
     _check_axes(mesh, q, k, axes)
-    _check_tokens(token_arrays, q.shape[2])
-    if block_mask is not None:
-        if mask_mod is not None:
-            raise ValueError(f"{_FN}: give mask_mod or block_mask, not both (a BlockMask "
-                             "carries its mask_mod).")
-        if not isinstance(block_mask, BlockMask):
-            raise TypeError(f"{_FN}: `block_mask` must be a jattn.BlockMask of the whole "
-                            f"arrays, got {type(block_mask).__name__}.")
-        mask_mod = block_mask.mask_mod
+    checked_token_arrays(_FN, token_arrays, q.shape[2],
+                         f"has the sequence ({q.shape[2]} positions) as its last axis")
+    mask_mod = mask_mod_of(_FN, mask_mod, block_mask, "arrays")
     spec = P(batch_axis, head_axis, sequence_axis)
     B_local = q.shape[0] // (1 if batch_axis is None else mesh.shape[batch_axis])
     H_local = q.shape[1] // (1 if head_axis is None else mesh.shape[head_axis])
