@@ -278,11 +278,25 @@ def ready_op_views(fn: str, names: tuple[str, ...], leading: Sequence, lists: Se
     return device, arrays[:first], arrays[first:first + n], arrays[first + n:]
 
 
-def flex_facts(q, v, n_captures: int) -> dict:
+def flex_facts(q, v, mods: str, captures: Sequence) -> dict:
     """What flex_attention's implementations judge support by, besides the lengths and block
-    size: dtype, head dims and how many arrays the mods read (q, v: tensors or JAX arrays)."""
-    dtype = DTYPES.get(q.dtype, q.dtype)  # a torch dtype, as JAX's
-    return dict(dtype=dtype, head_dim=q.shape[-1], value_dim=v.shape[-1], captures=n_captures)
+    size: dtype, head dims and how the mods (`mods`: their op key) read the arrays they
+    capture (q, v, captures: tensors or JAX arrays)."""
+    specs = tuple((tuple(c.shape), DTYPES.get(c.dtype, c.dtype)) for c in captures)
+    return dict(dtype=DTYPES.get(q.dtype, q.dtype), head_dim=q.shape[-1],
+                value_dim=v.shape[-1], unreadable_capture=_unreadable_capture(mods, specs))
+
+
+@functools.lru_cache(maxsize=256)
+def _unreadable_capture(mods: str, specs: tuple) -> str | None:
+    """The `unreadable_capture` fact of `mods` reading captured arrays of `specs` ((shape,
+    JAX dtype) each)."""
+    if not specs:
+        return None
+    score, mask = translated_mods(mods)
+    return bridge.unreadable_capture(None if score is None else score.bind,
+                                     None if mask is None else mask.bind,
+                                     0 if score is None else score.n_captures, specs)
 
 
 def _flex_static(device, facts, mods, block_size, seq_lengths, scale, enable_gqa,
@@ -305,7 +319,8 @@ def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
     device, qkv, lists, capture_arrays = ready_op_views(
         "flex_attention", _FORWARD_TENSORS, (q, k, v), mask_tensors, captures,
         kv_only=True)
-    options = _flex_static(device, flex_facts(qkv[0], qkv[2], len(capture_arrays)), *static)
+    options = _flex_static(device, flex_facts(qkv[0], qkv[2], static[0], capture_arrays),
+                           *static)
     out, lse = _flex_program(True, **options)(*qkv, lists, capture_arrays)
     return out, lse, device
 
@@ -334,7 +349,8 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
         captures)
     grads = _flex_backward(*leading, lists, capture_arrays,
                            **_flex_static(device,
-                                          flex_facts(leading[2], leading[4], len(capture_arrays)),
+                                          flex_facts(leading[2], leading[4], mods,
+                                                     capture_arrays),
                                           mods, block_size, seq_lengths, scale, enable_gqa,
                                           implementation, config))
     return [to_torch(g, device) for g in grads]
@@ -461,9 +477,9 @@ _MAX_FLEX_PLANS = 256
 _PLANS_LOCK = threading.Lock()
 
 
-def flex_plan(key: tuple, device: torch.device, facts: dict) -> FlexPlan:
-    """The plan of `key` (FLEX_PLANS' layout, which holds `facts`' values), made on first use.
-    The caller has validated the mask layout."""
+def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> FlexPlan:
+    """The plan of `key` (FLEX_PLANS' layout), made on first use with the call's `facts()`
+    (`flex_facts`). The caller has validated the mask layout."""
     plan = FLEX_PLANS.get(key)
     if plan is not None:
         return plan
@@ -471,7 +487,7 @@ def flex_plan(key: tuple, device: torch.device, facts: dict) -> FlexPlan:
         implementation, config, _ = key
     static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation,
               config)
-    options = _flex_static(device, facts, *static)
+    options = _flex_static(device, facts(), *static)
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None
     if bridge.launches_directly(options["implementation"]):

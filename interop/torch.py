@@ -397,7 +397,8 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
     plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
                            len(captures), L, S, query.dtype, query.shape[-1], value.shape[-1],
                            scale, enable_gqa, implementation, config, query.device.type),
-                          query.device, _ops.flex_facts(query, value, len(captures)))
+                          query.device,
+                          lambda: _ops.flex_facts(query, value, mods, captures))
     result = _ops.run_flex(
         plan, query, key, value, kv_lists, captures,
         lambda: [] if block_mask is None else _mask_tensors(block_mask, L, S)[0],

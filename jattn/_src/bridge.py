@@ -6,7 +6,10 @@ internals can move without breaking the bridge.
 
 from __future__ import annotations
 
+import jax
+
 from jattn._src import backends
+from jattn._src.attention import pallas_mosaic_gpu
 from jattn._src.attention.api import flex_attention_backward
 from jattn._src.attention.api import flex_attention_with_captures as flex_attention
 from jattn._src.decoding.paged import check_pool_sizes
@@ -14,7 +17,7 @@ from jattn._src.kernel_launch import single_kernel_launch
 from jattn._src.masks.block_mask import MaskLists
 
 __all__ = ["MaskLists", "check_pool_sizes", "flex_attention", "flex_attention_backward",
-           "launches_directly", "resolve", "single_kernel_launch"]
+           "launches_directly", "resolve", "single_kernel_launch", "unreadable_capture"]
 
 
 def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> str:
@@ -35,3 +38,21 @@ def launches_directly(implementation: str) -> bool:
     """Whether the implementation's forward is one compiled kernel the torch ops may launch
     without JAX's dispatch."""
     return backends.BACKENDS[implementation].direct_launch
+
+
+def unreadable_capture(bind_score, bind_mask, n_score: int, specs) -> str | None:
+    """flex_attention's `unreadable_capture` fact of translated mods: bind_score(arrays) and
+    bind_mask(arrays) make the mods reading captured arrays of `specs` ((shape, dtype) each,
+    score_mod's `n_score` first); None for either absent mod."""
+    found = []
+
+    def trace(*captures):
+        score_mod = None if bind_score is None else bind_score(captures[:n_score])
+        mask_mod = None if bind_mask is None else bind_mask(captures[n_score:])
+        found.append(pallas_mosaic_gpu.unreadable_capture(score_mod, mask_mod,
+                                                          captures[:n_score],
+                                                          captures[n_score:]))
+        return ()
+
+    jax.eval_shape(trace, *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs))
+    return found[0]

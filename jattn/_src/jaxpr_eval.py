@@ -5,6 +5,9 @@ operands that vary over mesh axes next to constants and literals that do not, wh
 primitives reject (tracing would have inserted the casts). `evaluate` inserts them: each
 equation's operands are cast to vary over every axis one of them varies over. Outside
 shard_map (and inside Pallas kernels) nothing varies and equations bind as traced.
+
+A rewrite may stand in its own objects for values (`Deferred`: a captured array left in memory,
+say); they skip the alignment, and equations reading them go to the rewrite.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ from jattn._src.mesh_axes import aligned, varying_axes
 Rewrite = Callable[[Any, list[Any], dict[str, Any]], "list[Any] | None"]
 
 
+class Deferred:
+    """A value a rewrite represents its own way (no JAX type): only the rewrite reads it, and
+    nested jits and custom_jvp calls that receive it are inlined so that it reaches the
+    rewrite."""
+
+
 def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
     """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
     the consts beside `.jaxpr`."""
@@ -29,7 +38,8 @@ def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
 
 def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[Any]:
     """The outputs of a closed jaxpr at `args`: nested jits inlined (and, where operands vary
-    over mesh axes, custom_jvp calls too: their inner jaxpr holds unvarying constants), each
+    over mesh axes or are Deferred, custom_jvp calls too: their inner jaxpr holds unvarying
+    constants), each
     equation's operands aligned over mesh axes, and `rewrite` given the first refusal."""
     jaxpr, consts = jaxpr_and_consts(closed)
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
@@ -47,13 +57,15 @@ def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[An
             env.update(zip(eqn.outvars, outputs))
             continue
         operands = [read(var) for var in eqn.invars]
-        varying = any(varying_axes(x) for x in operands)
+        deferred = any(isinstance(x, Deferred) for x in operands)
+        varying = not deferred and any(varying_axes(x) for x in operands)
         if varying:
             operands = aligned(*operands)
         outputs = None if rewrite is None else rewrite(eqn.primitive, operands, params)
         if outputs is None and eqn.primitive.name in ("pjit", "jit"):
             outputs = evaluate(params["jaxpr"], *operands, rewrite=rewrite)
-        elif outputs is None and eqn.primitive.name == "custom_jvp_call" and varying:
+        elif (outputs is None and eqn.primitive.name == "custom_jvp_call"
+              and (varying or deferred)):
             outputs = evaluate(params["call_jaxpr"], *operands, rewrite=rewrite)
         elif outputs is None:
             bind_params, subfunctions = eqn.primitive.get_bind_params(params), ()

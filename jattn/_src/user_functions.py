@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from jattn._src.jaxpr_eval import evaluate, jaxpr_and_consts
+from jattn._src.jaxpr_eval import Rewrite, evaluate, jaxpr_and_consts
 
 
 def _with_consts(closed: Any, consts: Sequence[Any]) -> Any:
@@ -53,9 +53,12 @@ class TracedFunction:
         n = len(self.capture_slots)
         return TracedFunction(_with_consts(self.closed_jaxpr, [None] * n), self.capture_slots)
 
-    def __call__(self, captures: Sequence[Any], *args: Any) -> list[Any]:
+    def __call__(self, captures: Sequence[Any], *args: Any, rewrite: Rewrite | None = None
+                 ) -> list[Any]:
+        """The outputs at `args`, reading `captures` (the shared capture list); `rewrite`:
+        as jaxpr_eval.evaluate's."""
         consts = [captures[slot] for slot in self.capture_slots]
-        return evaluate(_with_consts(self.closed_jaxpr, consts), *args)
+        return evaluate(_with_consts(self.closed_jaxpr, consts), *args, rewrite=rewrite)
 
 
 class CaptureSet:

@@ -1,10 +1,13 @@
 """flex_attention's forward on Mosaic GPU (implementation="pallas_mosaic_gpu").
 
-On the CPU: the registry's reasons for the calls it cannot run, and the forward and the Triton
-backward behind it lowered for CUDA. The Mosaic GPU interpreter cannot run this kernel (it has
+On the CPU: the registry's reasons for the calls it cannot run (captured arrays read other than
+one element per program among them), and the forward and the Triton backward behind it lowered
+for CUDA. The Mosaic GPU interpreter cannot run this kernel (it has
 no wgmma, no transposed shared-memory refs and no register layouts), so its numerics are checked
 on the GPU: output, LSE and gradients against a float64 golden, and bitwise repeatability.
 """
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ def as_if_on_hopper(monkeypatch):
 
 def _facts(**changes):
     facts = dict(dtype=jnp.bfloat16, head_dim=128, value_dim=128, seq_lengths=(1024, 1024),
-                 block_size=(128, 128), captures=0)
+                 block_size=(128, 128), unreadable_capture=None)
     return {**facts, **changes}
 
 
@@ -39,7 +42,8 @@ def _facts(**changes):
     ({"value_dim": 64}, "equal q/k and v head dims"),
     ({"seq_lengths": (1000, 1024)}, "multiples of 128"),
     ({"block_size": (64, 64)}, r"\(128, 128\) blocks"),
-    ({"captures": 1}, "captured arrays"),
+    ({"unreadable_capture": "mask_mod reads a captured int32[512] array through a gather"},
+     r"one element per batch row and head .* mask_mod reads a captured int32\[512\]"),
 ])
 def test_registry_names_what_the_mosaic_forward_cannot_run(as_if_on_hopper, change, reason):
     assert backends.resolve("flex_attention", MOSAIC, platform="gpu", **_facts()).name == MOSAIC
@@ -56,13 +60,13 @@ def test_it_needs_a_hopper_gpu(monkeypatch):
         backends.resolve("flex_attention", MOSAIC, platform="cpu", **_facts())
 
 
-@pytest.mark.parametrize("captures, chosen", [(0, MOSAIC), (1, "pallas_triton")])
+@pytest.mark.parametrize("unreadable, chosen", [(None, MOSAIC), ("a gather", "pallas_triton")])
 def test_the_environment_variable_applies_where_the_call_is_supported(
-        as_if_on_hopper, monkeypatch, captures, chosen):
+        as_if_on_hopper, monkeypatch, unreadable, chosen):
     """As jattn's own calls and the torch ops resolve (the bridge passes the same facts)."""
     monkeypatch.setenv("JATTN_IMPLEMENTATION", MOSAIC)
     assert bridge.resolve("flex_attention", None, on_cuda=True,
-                          **_facts(captures=captures)) == chosen
+                          **_facts(unreadable_capture=unreadable)) == chosen
 
 
 @pytest.mark.parametrize("facts, chosen", [
@@ -70,7 +74,7 @@ def test_the_environment_variable_applies_where_the_call_is_supported(
     (dict(head_dim=64, value_dim=64, seq_lengths=(4096, 4096)), MOSAIC),
     (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024), score_mod=True), MOSAIC),
     (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024)), "pallas_triton"),
-    (dict(captures=1), "pallas_triton"),
+    (dict(unreadable_capture="a gather"), "pallas_triton"),
 ])
 def test_hopper_defaults_to_mosaic_where_measured_faster(as_if_on_hopper, facts, chosen):
     """The default choice (jattn's calls and the torch ops alike) takes the Mosaic forward
@@ -96,12 +100,58 @@ def test_other_ops_say_they_have_no_mosaic_implementation():
         backends.resolve("matmul", MOSAIC, platform="gpu")
 
 
-def test_a_mod_reading_an_array_is_refused_with_the_alternative(as_if_on_hopper):
-    q = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16)
-    slopes = jnp.ones((2,))
-    with pytest.raises(ValueError, match="captured arrays"):
-        jax.eval_shape(lambda q: jattn.flex_attention(q, q, q, jattn.mods.alibi(slopes),
-                                                      implementation=MOSAIC), q)
+# Captured arrays: per-program elements are read, anything else goes to pallas_triton.
+_SLOPES = jnp.linspace(0.1, 1.0, 4)
+_TABLE = jnp.ones((2, 4), jnp.bfloat16)
+_FLAGS = jnp.array([True, False, True, True])
+_DOC_IDS = jnp.arange(4096, dtype=jnp.int32) // 128
+_TEMPERATURE = jnp.float32(2.0)
+
+READABLE = {
+    "slopes[h]": (jattn.mods.alibi(_SLOPES), None),
+    "table[b, h]": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[b, h], None),
+    "0-d temperature": (lambda s, b, h, q_idx, kv_idx: s / _TEMPERATURE, None),
+    "bool flags[h]": (None, lambda b, h, q_idx, kv_idx: _FLAGS[h] | (q_idx >= kv_idx)),
+}
+UNREADABLE = {
+    "ids[q_idx]": (None, lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx] == _DOC_IDS[kv_idx],
+                   r"mask_mod reads a captured int32\[4096\] array through a gather"),
+    "a row": (lambda s, b, h, q_idx, kv_idx: s + jnp.sum(_TABLE[b]), None,
+              r"score_mod reads a captured bfloat16\[2,4\] array a slice at a time"),
+    "jnp.take": (lambda s, b, h, q_idx, kv_idx: s * jnp.take(_SLOPES, h), None,
+                 r"score_mod reads a captured float32\[4\] array through a gather"),
+}
+
+
+def _captured_reads(score, b, h, q_idx, kv_idx):  # B 2, Hq 4: every readable kind of read
+    return jattn.mods.alibi(_SLOPES)(score, b, h, q_idx, kv_idx) / _TEMPERATURE + _TABLE[b, h]
+
+
+def _resolved(score_mod, mask_mod, implementation=None):
+    """The resolution record of a flex_attention call on Hopper (B 2, H 4, L 4096, D 64: a
+    shape where the default takes the Mosaic forward)."""
+    q = jax.ShapeDtypeStruct((2, 4, 4096, 64), jnp.bfloat16)
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, 2, 4, 4096,
+                                                                       4096)
+    with backends.recording() as seen:
+        jax.eval_shape(lambda q: jattn.flex_attention(q, q, q, score_mod, block_mask,
+                                                      implementation=implementation), q)
+    return seen[0]
+
+
+@pytest.mark.parametrize("name", READABLE)
+def test_mods_reading_one_element_per_program_run_on_mosaic(as_if_on_hopper, name):
+    assert _resolved(*READABLE[name]).chosen == MOSAIC
+
+
+@pytest.mark.parametrize("name", UNREADABLE)
+def test_other_captured_reads_fall_back_with_the_reason(as_if_on_hopper, name):
+    score_mod, mask_mod, reason = UNREADABLE[name]
+    seen = _resolved(score_mod, mask_mod)
+    assert seen.chosen == "pallas_triton"
+    assert re.search(reason, str(seen))
+    with pytest.raises(ValueError, match=f"pallas_mosaic_gpu.*{reason}.*pallas_triton's read"):
+        _resolved(score_mod, mask_mod, implementation=MOSAIC)
 
 
 def _spec(*shape, dtype=jnp.bfloat16):
@@ -137,6 +187,47 @@ def test_forward_and_triton_backward_lower_for_cuda(as_if_on_hopper, dtype, E, H
     assert "mosaic_gpu" in text and "jattn_flex_bwd" in text
 
 
+def test_captured_reads_lower_for_cuda(as_if_on_hopper):
+    """Every readable kind of read in one call: scalar loads of f32, bf16, bool (as int32) and
+    a 0-d array, with GQA and a BlockMask."""
+    pytest.importorskip("absl")
+    B, Hq, L, E = 2, 4, 512, 64
+
+    block_mask = jattn.create_block_mask(READABLE["bool flags[h]"][1], B, Hq, L, L)
+
+    def attention(q, k, v):
+        return jattn.flex_attention(q, k, v, _captured_reads, block_mask, enable_gqa=True,
+                                    implementation=MOSAIC)
+
+    assert "mosaic_gpu" in lower_for_cuda(attention, _spec(B, Hq, L, E), _spec(B, 2, L, E),
+                                          _spec(B, 2, L, E))
+
+
+def test_tanh_in_mods_avoids_the_approximate_instruction():
+    """The kernel compiles with approximate math; a mod's tanh is computed through exp2 and
+    rsqrt instead of tanh.approx (off by up to 2**-11), and its division by 30 as a product.
+    Evaluated here on the CPU, where exp2 and rsqrt are exact, tanh stays within 5e-7 (a few
+    float32 ulps), saturating at +-inf."""
+    from jattn._src.attention import pallas_mosaic_gpu_mods
+    from jattn._src.user_functions import CaptureSet
+
+    score = jnp.concatenate([jnp.linspace(-2000.0, 2000.0, 40001, dtype=jnp.float32),
+                             jnp.array([0.0, 1e-8, -1e-8, jnp.inf, -jnp.inf])])
+    index = jnp.zeros((), jnp.int32)
+    traced = CaptureSet().trace(jattn.mods.softcap(30.0),
+                                (score, index, index, score.astype(jnp.int32), index))
+    assert "tanh" in str(traced.closed_jaxpr)
+    def in_kernel(score):
+        return pallas_mosaic_gpu_mods.call_in_kernel(traced, [], [], score, index, index,
+                                                     score.astype(jnp.int32), index)[0]
+
+    evaluated = str(jax.make_jaxpr(in_kernel)(score))
+    assert "tanh" not in evaluated and "div" not in evaluated and "exp2" in evaluated
+    capped = in_kernel(score)
+    np.testing.assert_allclose(capped, 30.0 * np.tanh(np.float64(score) / 30.0), rtol=0,
+                               atol=30 * 5e-7)
+
+
 # ------------------------------------------------------------------------------------------------
 # On the GPU
 # ------------------------------------------------------------------------------------------------
@@ -170,6 +261,8 @@ CASES = {
     "window softcap": (1, 2, 1, 768, 128, jnp.bfloat16, _softcap, jattn.masks.sliding_window(200)),
     "documents head bias": (2, 4, 4, 1024, 64, jnp.bfloat16, _head_bias, _documents_of_256),
     "empty rows": (1, 2, 2, 384, 64, jnp.float16, None, _first_block_row_empty),
+    "captured arrays gqa": (2, 4, 2, 512, 128, jnp.bfloat16, _captured_reads,
+                            READABLE["bool flags[h]"][1]),
 }
 
 

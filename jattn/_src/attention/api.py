@@ -329,7 +329,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     implementation = backends.resolve(
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
         block_size=block_mask.block_size, score_mod=score_mod is not None,
-        captures=len(score_set.captures) + len(mask_set.captures))
+        unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
+                                               xla_mods))
     lists = block_mask.lists()
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full,
@@ -351,6 +352,23 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         # else the mods captured arrays at the kernels' tiles that they did not at the XLA
         # block (arrays made from the shapes they see): the program is this call's alone.
     return program, lists, tuple(score_set.captures), tuple(mask_set.captures)
+
+
+# The `unreadable_capture` fact by the mods' XLA traces (it needs a trace at another shape).
+_UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache()
+
+
+def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
+                        xla_mods) -> str | None:
+    """The fact of mods reading captured arrays that the Mosaic GPU forward cannot read."""
+    if not (score_set.captures or mask_set.captures):
+        return None
+    key = tuple(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask))
+    fact = _UNREADABLE.get(key)
+    if fact is None:
+        fact = _UNREADABLE.put(key, (pallas_mosaic_gpu.unreadable_capture(
+            score_mod, mask_mod, score_set.captures, mask_set.captures),))
+    return fact[0]
 
 
 def _without_captures(problem: Problem) -> Problem:

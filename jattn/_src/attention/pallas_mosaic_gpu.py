@@ -3,7 +3,8 @@
 The forward kernel (`pallas_mosaic_gpu_fwd`) feeds K/V tiles by TMA to two wgmma warpgroups.
 Its LSE follows the convention of the Triton kernels, so their backward runs behind it
 unchanged. What it supports is narrower than pallas_triton's, and `unsupported` says so; the
-registry then falls back with that reason.
+registry then falls back with that reason. Its mods read captured arrays one element per
+program (`pallas_mosaic_gpu_mods`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src import hardware
+from jattn._src.attention import pallas_mosaic_gpu_mods as in_kernel
 from jattn._src.attention import pallas_triton
 from jattn._src.attention.common import Mods, Problem, trace_mods
 from jattn._src.attention.config import AttentionConfig
@@ -30,7 +32,7 @@ HEAD_DIMS = (64, 128)
 
 
 def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
-                block_size=None, captures=0, **facts) -> str | None:
+                block_size=None, unreadable_capture=None, **facts) -> str | None:
     """Why the Mosaic GPU forward cannot run a call (None when it can)."""
     if not hardware.is_hopper():
         return f"it needs a Hopper GPU (sm_90), not {hardware.device_kind()}."
@@ -43,9 +45,20 @@ def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
         return f"it walks BlockMasks of {BLOCK} blocks, not {tuple(block_size)}."
     if seq_lengths is not None and any(n % 128 for n in seq_lengths):
         return f"it takes lengths that are multiples of 128, not L, S = {tuple(seq_lengths)}."
-    if captures:
-        return "its mods cannot read captured arrays yet (pallas_triton's can)."
+    if unreadable_capture is not None:
+        return (f"its mods read captured arrays one element per batch row and head (as "
+                f"`slopes[h]` or `bias[b, h]`), and {unreadable_capture}; pallas_triton's "
+                "read any.")
     return None
+
+
+def unreadable_capture(score_mod, mask_mod, score_captures, mask_captures) -> str | None:
+    """The `unreadable_capture` fact of a call: the first read of a captured array (the call's
+    `score_captures` and `mask_captures`, found by tracing at another shape) that the forward
+    cannot make, described; None when it can make them all."""
+    mods = trace_mods(score_mod, mask_mod, CaptureSet(score_captures),
+                      CaptureSet(mask_captures), *_tile_signature(), with_vjp=False)
+    return in_kernel.unreadable(mods)
 
 
 def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str | None:
@@ -73,18 +86,27 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     p = pallas_triton.specialise(p, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
                                  mask_set=mask_set, block_mask=block_mask, dense=dense,
                                  config=config)
-    found = len(score_set.captures), len(mask_set.captures)
     fwd = trace_mods(score_mod, mask_mod, score_set, mask_set, *_tile_signature(),
                      with_vjp=False)
-    if (len(score_set.captures), len(mask_set.captures)) != found or any(found):
-        raise NotImplementedError("flex_attention: implementation='pallas_mosaic_gpu' cannot "
-                                  "run mods that read captured arrays yet; use "
-                                  "implementation='pallas_triton'.")
+    # `unsupported` saw the same reads, unless the mods read differently at this tile's shapes.
+    unreadable = in_kernel.unreadable(fwd)
+    if unreadable is not None:
+        raise NotImplementedError(f"flex_attention: implementation='pallas_mosaic_gpu' reads "
+                                  f"captured arrays one element at a time, and {unreadable}; "
+                                  "use implementation='pallas_triton'.")
     return dataclasses.replace(p, fwd=fwd, decode=None)
 
 
-def _without_captures(fn):
-    return None if fn is None else lambda *args: fn((), *args)[0]
+def _kernel_mod(fn, avals):
+    """A traced mod as the kernel calls it: (its captures' refs, *tile arguments) -> value."""
+    if fn is None:
+        return None
+    return lambda refs, *args: in_kernel.call_in_kernel(fn, refs, avals, *args)[0]
+
+
+def _kernel_operand(array):
+    """A captured array as the kernel reads it: flat, bool as int32 (read back as bool)."""
+    return array.reshape(-1).astype(jnp.int32 if array.dtype == jnp.bool_ else array.dtype)
 
 
 def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
@@ -92,10 +114,13 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
     # Imported here: JAX's Mosaic GPU modules need absl, which a CPU-only install may lack.
     from jattn._src.attention import pallas_mosaic_gpu_fwd as kernel
 
-    del score_caps, mask_caps  # none: `unsupported` keeps mods with captures away
     mods: Mods = p.fwd
+    avals = [jax.typeof(c) for c in (*score_caps, *mask_caps)]
     return kernel.forward(p, lists.has_full, q, k, v, lists.major("kv"),
-                          _without_captures(mods.score), _without_captures(mods.mask))
+                          [_kernel_operand(c) for c in score_caps],
+                          [_kernel_operand(c) for c in mask_caps],
+                          _kernel_mod(mods.score, avals[:len(score_caps)]),
+                          _kernel_mod(mods.mask, avals[len(score_caps):]))
 
 
 backward = pallas_triton.backward

@@ -26,14 +26,17 @@ from jattn._src.constants import LOG2_E, MASK_VALUE
 SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
 
 
-def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, score_fn, mask_fn,
-            dtype):
+def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, score_fn,
+            mask_fn, dtype):
     n_lists = 4 if has_full else 2
     # Without a score_mod a positive scale folds into the exponent's factor: one multiply
     # per score fewer.
     fold_scale = score_fn is None and p.scale > 0
     factor = p.scale * LOG2_E if fold_scale else LOG2_E
-    list_refs, (out_ref, lse_ref) = refs[:n_lists], refs[n_lists:]
+    list_refs, (out_ref, lse_ref) = refs[:n_lists], refs[-2:]
+    n_score = n_captures[0]
+    score_refs = refs[n_lists:n_lists + n_score]
+    mask_refs = refs[n_lists + n_score:-2]
     block_q, bkv = BLOCK
     stages = STAGES[p.E]
 
@@ -99,9 +102,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, score_fn, ma
                     kv_idx = kv0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
                                                           layout=plgpu.Layout.WGMMA)
                     if score_fn is not None:
-                        s = score_fn(s, b, h, q_idx, kv_idx)
+                        s = score_fn(score_refs, s, b, h, q_idx, kv_idx)
                     if apply_mask and mask_fn is not None:
-                        s = jnp.where(mask_fn(b, h, q_idx, kv_idx), s, -jnp.inf)
+                        s = jnp.where(mask_fn(mask_refs, b, h, q_idx, kv_idx), s, -jnp.inf)
                 # Online softmax in base 2; m starts at the finite MASK_VALUE, so a row with no
                 # key kept yet gets exp2(-inf) = 0 and a scale of 1, never NaN.
                 m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
@@ -181,15 +184,18 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, score_fn, ma
     )
 
 
-def forward(p: Problem, has_full: bool, q, k, v, lists, score_fn=None, mask_fn=None):
+def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_captures=(),
+            score_fn=None, mask_fn=None):
     """(out [B, Hq, L, E] of q's dtype, lse [B, Hq, L] float32 natural log).
 
     lists: the BlockMask's kv-major [counts, indices] (then the full ones when has_full),
-    int32. score_fn(score, b, h, q_idx, kv_idx) and mask_fn(b, h, q_idx, kv_idx) take the
-    float32 [64, block_kv] tile and int32 indices in the wgmma register layout (b, h scalars).
+    int32. score_fn(refs, score, b, h, q_idx, kv_idx) and mask_fn(refs, b, h, q_idx, kv_idx)
+    take the refs of `score_captures` / `mask_captures` (arrays in global memory), the float32
+    [64, block_kv] tile and int32 indices in the wgmma register layout (b, h scalars).
     """
-    kernel = functools.partial(_kernel, p=p, has_full=has_full, score_fn=score_fn,
-                               mask_fn=mask_fn, dtype=q.dtype)
+    n_captures = (len(score_captures), len(mask_captures))
+    kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
+                               score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype)
     out, lse = plgpu.kernel(
         kernel,
         out_type=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.E), q.dtype),
@@ -199,7 +205,7 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_fn=None, mask_fn=N
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         # Approximate exp2/log2 (one MUFU op each) suit the softmax, as in the Triton kernels;
-        # a user's score_mod gets precise math (tanh.approx is off by up to 2**-11).
-        compiler_params=plgpu.CompilerParams(approx_math=score_fn is None),
-    )(q, k, v, *lists)
+        # the mods' tanh avoids tanh.approx (pallas_mosaic_gpu_mods).
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, k, v, *lists, *score_captures, *mask_captures)
     return out, lse
