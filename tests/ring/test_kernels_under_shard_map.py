@@ -60,3 +60,27 @@ def test_flex_attention_with_a_mod_reading_the_device_index_lowers_for_cuda():
     q = jnp.ones((1, 2, 256, 64), jnp.bfloat16)
     text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2, 64), jnp.float32))
     assert "triton" in text.lower()
+
+
+@pytest.mark.parametrize("devices, backend", [(1, "mosaic_gpu"), (2, "triton")])
+def test_on_hopper_a_ring_of_several_devices_runs_the_triton_forward(monkeypatch, devices,
+                                                                     backend):
+    """The pairs of a multi-device ring read lists and a device index that vary over the mesh
+    axis, which the Mosaic GPU forward does not take (the registry passes it over, with the
+    reason); on one device they are constants and the Mosaic forward runs, as flex_attention's
+    does."""
+    if GPU_PRESENT and devices > 1:
+        pytest.skip("lowers over abstract devices on the CPU only")
+    pytest.importorskip("absl")
+    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
+
+    def attention(q, k, v, table):
+        return jattn.ring_flex_attention(
+            q, k, v, lambda s, b, h, qi, ki: s + table[h], jattn.masks.causal_mask,
+            axis_name="x")
+
+    q = jnp.ones((1, 2, 512, 64), jnp.bfloat16)
+    text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2,), jnp.float32),
+                          devices=devices)
+    assert ("mosaic_gpu" in text) == (backend == "mosaic_gpu") and "triton" in text.lower()
+

@@ -18,7 +18,7 @@ from jattn._src.attention.common import (Problem, checked_mask_mod, checked_scor
                                          trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
-from jattn._src.mesh_axes import summed_to_vary_like
+from jattn._src.mesh_axes import summed_to_vary_like, varying_axes
 from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
@@ -326,12 +326,13 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
                           with_vjp=False)
+    lists = block_mask.lists()
     implementation = backends.resolve(
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
-                                               xla_mods))
-    lists = block_mask.lists()
+                                               xla_mods),
+        varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures))
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full,
            *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
@@ -369,6 +370,12 @@ def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: Ca
         fact = _UNREADABLE.put(key, (pallas_mosaic_gpu.unreadable_capture(
             score_mod, mask_mod, score_set.captures, mask_set.captures),))
     return fact[0]
+
+
+def _varying_axes_of(*trees) -> tuple[str, ...]:
+    """The mesh axes any array in `trees` varies over (inside shard_map; else none)."""
+    leaves = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.Array)]
+    return tuple(sorted(frozenset().union(*(varying_axes(x) for x in leaves))))
 
 
 def _without_captures(problem: Problem) -> Problem:
