@@ -39,8 +39,8 @@ def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
 def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[Any]:
     """The outputs of a closed jaxpr at `args`: nested jits inlined (and, where operands vary
     over mesh axes or are Deferred, custom_jvp calls too: their inner jaxpr holds unvarying
-    constants), each
-    equation's operands aligned over mesh axes, and `rewrite` given the first refusal."""
+    constants), each equation's operands aligned over mesh axes, and `rewrite` given the first
+    refusal."""
     jaxpr, consts = jaxpr_and_consts(closed)
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))

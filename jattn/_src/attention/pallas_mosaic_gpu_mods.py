@@ -33,9 +33,10 @@ from jattn._src.constants import LOG2_E
 from jattn._src.jaxpr_eval import Deferred, jaxpr_and_consts
 from jattn._src.user_functions import TracedFunction
 
-# Equations holding a jaxpr that a captured array may be passed into: its parameter's name.
-_NESTED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-           "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+# Equations holding a jaxpr that a captured array may be passed into (and that jaxpr_eval
+# inlines for it): its parameter's name. A captured array passed into any other (a remat, say)
+# counts as unreadable.
+_NESTED = {"pjit": "jaxpr", "jit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
 
 _HOW = {"gather": "through a gather (an index per score, or jnp.take)",
         "dynamic_slice": "a slice at a time"}
