@@ -31,13 +31,25 @@ from benchmarks.timing import first_call_seconds, time_jax, time_torch, warm_up
 COPIES = 3  # input sets rotated per timing pass (each is >= 200 MB here, so L2 is no help)
 
 
+def _document_ids(kind: str, L: int) -> np.ndarray:
+    """document8: 8 equal documents, on block boundaries (every block full or empty).
+    packed_causal: 8 documents of random lengths (boundaries inside blocks), causal within."""
+    if kind == "document8":
+        return np.arange(L, dtype=np.int32) // (L // 8)
+    starts = np.sort(np.random.default_rng(1).choice(np.arange(1, L), 7, replace=False))
+    return np.cumsum(np.isin(np.arange(L), starts)).astype(np.int32)
+
+
 def _mask_mod(kind: str, L: int):
     if kind == "causal" or kind in ("alibi", "softcap"):
         return jattn.masks.causal_mask if kind == "causal" else None
     if kind == "sliding1024":
         return jattn.masks.sliding_window(1024)
     if kind == "document8":
-        return jattn.masks.document_mask(jnp.arange(L, dtype=jnp.int32) // (L // 8))
+        return jattn.masks.document_mask(jnp.asarray(_document_ids(kind, L)))
+    if kind == "packed_causal":
+        return jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(
+            jnp.asarray(_document_ids(kind, L))))
     return None
 
 
@@ -48,8 +60,10 @@ def _density(kind: str, L: int) -> float:
         return float((q >= kv).mean())
     if kind == "sliding1024":
         return float(((q >= kv) & (q - kv < 1024)).mean())
-    if kind == "document8":
-        return 1 / 8
+    if kind in ("document8", "packed_causal"):
+        lengths = np.bincount(_document_ids(kind, L))
+        pairs = lengths * (lengths + 1) / 2 if kind == "packed_causal" else lengths ** 2
+        return float(pairs.sum() / L ** 2)
     return 1.0
 
 
@@ -73,9 +87,11 @@ def _torch_mods(kind: str, H: int, L: int):
         return None, lambda b, h, q, kv: q >= kv
     if kind == "sliding1024":
         return None, lambda b, h, q, kv: (q >= kv) & (q - kv < 1024)
-    if kind == "document8":
-        doc = torch.arange(L, device="cuda") // (L // 8)
-        return None, lambda b, h, q, kv: doc[q] == doc[kv]
+    if kind in ("document8", "packed_causal"):
+        doc = torch.from_numpy(_document_ids(kind, L)).cuda()
+        if kind == "document8":
+            return None, lambda b, h, q, kv: doc[q] == doc[kv]
+        return None, lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)
     return None, None
 
 

@@ -8,4 +8,5 @@ MATMUL_EPILOGUE = [("4096^3 +bias+gelu", 4096, 4096, 4096)]
 # (name, B, H, L, D) attention problems of issue 3; H is both query and kv heads.
 ATTENTION = [("B4 H16 L4096 D128", 4, 16, 4096, 128), ("B4 H32 L4096 D64", 4, 32, 4096, 64),
              ("B1 H16 L16384 D128", 1, 16, 16384, 128)]
-ATTENTION_MASKS = ["full", "causal", "sliding1024", "document8", "alibi", "softcap"]
+ATTENTION_MASKS = ["full", "causal", "sliding1024", "document8", "packed_causal", "alibi",
+                   "softcap"]

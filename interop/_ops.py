@@ -283,20 +283,23 @@ def flex_facts(q, v, mods: str, captures: Sequence) -> dict:
     size: dtype, head dims and how the mods (`mods`: their op key) read the arrays they
     capture (q, v, captures: tensors or JAX arrays)."""
     specs = tuple((tuple(c.shape), DTYPES.get(c.dtype, c.dtype)) for c in captures)
+    seq_lengths = (q.shape[-2], v.shape[-2])
     return dict(dtype=DTYPES.get(q.dtype, q.dtype), head_dim=q.shape[-1],
-                value_dim=v.shape[-1], unreadable_capture=_unreadable_capture(mods, specs))
+                value_dim=v.shape[-1],
+                unreadable_capture=_unreadable_capture(mods, specs, seq_lengths))
 
 
 @functools.lru_cache(maxsize=256)
-def _unreadable_capture(mods: str, specs: tuple) -> str | None:
+def _unreadable_capture(mods: str, specs: tuple, seq_lengths: tuple[int, int]) -> str | None:
     """The `unreadable_capture` fact of `mods` reading captured arrays of `specs` ((shape,
-    JAX dtype) each)."""
+    JAX dtype) each) on sequences of `seq_lengths`."""
     if not specs:
         return None
     score, mask = translated_mods(mods)
     return bridge.unreadable_capture(None if score is None else score.bind,
                                      None if mask is None else mask.bind,
-                                     0 if score is None else score.n_captures, specs)
+                                     0 if score is None else score.n_captures, specs,
+                                     seq_lengths)
 
 
 def _flex_static(device, facts, mods, block_size, seq_lengths, scale, enable_gqa,

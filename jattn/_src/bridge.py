@@ -40,10 +40,12 @@ def launches_directly(implementation: str) -> bool:
     return backends.BACKENDS[implementation].direct_launch
 
 
-def unreadable_capture(bind_score, bind_mask, n_score: int, specs) -> str | None:
-    """flex_attention's `unreadable_capture` fact of translated mods: bind_score(arrays) and
-    bind_mask(arrays) make the mods reading captured arrays of `specs` ((shape, dtype) each,
-    score_mod's `n_score` first); None for either absent mod."""
+def unreadable_capture(bind_score, bind_mask, n_score: int, specs,
+                       seq_lengths: tuple[int, int]) -> str | None:
+    """flex_attention's `unreadable_capture` fact of translated mods on sequences of
+    `seq_lengths` (L, S): bind_score(arrays) and bind_mask(arrays) make the mods reading
+    captured arrays of `specs` ((shape, dtype) each, score_mod's `n_score` first); None for
+    either absent mod."""
     found = []
 
     def trace(*captures):
@@ -51,7 +53,8 @@ def unreadable_capture(bind_score, bind_mask, n_score: int, specs) -> str | None
         mask_mod = None if bind_mask is None else bind_mask(captures[n_score:])
         found.append(pallas_mosaic_gpu.unreadable_capture(score_mod, mask_mod,
                                                           captures[:n_score],
-                                                          captures[n_score:]))
+                                                          captures[n_score:],
+                                                          seq_lengths))
         return ()
 
     jax.eval_shape(trace, *(jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs))

@@ -7,7 +7,8 @@ equation's operands are cast to vary over every axis one of them varies over. Ou
 shard_map (and inside Pallas kernels) nothing varies and equations bind as traced.
 
 A rewrite may stand in its own objects for values (`Deferred`: a captured array left in memory,
-say); they skip the alignment, and equations reading them go to the rewrite.
+say); they skip the alignment (casts traced in pass them through), and equations reading them
+go to the rewrite.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[An
         params = eqn.params
         if eqn.primitive.name == "pvary":  # a cast traced in: cast only where still needed
             operand = read(eqn.invars[0])
+            if isinstance(operand, Deferred):  # the rewrite aligns what it binds
+                env.update(zip(eqn.outvars, [operand]))
+                continue
             missing = tuple(sorted(set(params["axes"]) - varying_axes(operand)))
             outputs = [jax.lax.pcast(operand, missing, to="varying") if missing else operand]
             env.update(zip(eqn.outvars, outputs))

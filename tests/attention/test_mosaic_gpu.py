@@ -1,8 +1,8 @@
 """flex_attention's forward on Mosaic GPU (implementation="pallas_mosaic_gpu").
 
 On the CPU: the registry's reasons for the calls it cannot run (captured arrays read other than
-one element per program among them), and the forward and the Triton backward behind it lowered
-for CUDA. The Mosaic GPU interpreter cannot run this kernel (it has
+by element or by position among them), and the forward and the Triton backward behind it
+lowered for CUDA. The Mosaic GPU interpreter cannot run this kernel (it has
 no wgmma, no transposed shared-memory refs and no register layouts), so its numerics are checked
 on the GPU: output, LSE and gradients against a float64 golden, and bitwise repeatability.
 """
@@ -44,7 +44,7 @@ def _facts(**changes):
     ({"block_size": (64, 64)}, r"\(128, 128\) blocks"),
     ({"varying_tables": ("x",)}, r"inside shard_map .* vary over \('x',\)"),
     ({"unreadable_capture": "mask_mod reads a captured int32[512] array through a gather"},
-     r"one element per batch row and head .* mask_mod reads a captured int32\[512\]"),
+     r"by element .* or by position .* mask_mod reads a captured int32\[512\]"),
 ])
 def test_registry_names_what_the_mosaic_forward_cannot_run(as_if_on_hopper, change, reason):
     assert backends.resolve("flex_attention", MOSAIC, platform="gpu", **_facts()).name == MOSAIC
@@ -101,31 +101,73 @@ def test_other_ops_say_they_have_no_mosaic_implementation():
         backends.resolve("matmul", MOSAIC, platform="gpu")
 
 
-# Captured arrays: per-program elements are read, anything else goes to pallas_triton.
+# Captured arrays: elements and runs along q_idx / kv_idx are read, anything else goes to
+# pallas_triton.
 _SLOPES = jnp.linspace(0.1, 1.0, 4)
 _TABLE = jnp.ones((2, 4), jnp.bfloat16)
 _FLAGS = jnp.array([True, False, True, True])
 _DOC_IDS = jnp.arange(4096, dtype=jnp.int32) // 128
 _TEMPERATURE = jnp.float32(2.0)
 
+_BATCH_DOC_IDS = jnp.stack([_DOC_IDS, _DOC_IDS // 3])
+_POSITION_BIAS = jnp.zeros((8192,), jnp.float32)
+
 READABLE = {
     "slopes[h]": (jattn.mods.alibi(_SLOPES), None),
     "table[b, h]": (lambda s, b, h, q_idx, kv_idx: s + _TABLE[b, h], None),
     "0-d temperature": (lambda s, b, h, q_idx, kv_idx: s / _TEMPERATURE, None),
     "bool flags[h]": (None, lambda b, h, q_idx, kv_idx: _FLAGS[h] | (q_idx >= kv_idx)),
+    "ids[q_idx]": (None, jattn.masks.document_mask(_DOC_IDS)),
+    "ids[b, kv_idx]": (None, jattn.masks.and_masks(jattn.masks.causal_mask,
+                                                   jattn.masks.document_mask(_BATCH_DOC_IDS))),
+    "bias[kv_idx + 8]": (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 8], None),
 }
 UNREADABLE = {
-    "ids[q_idx]": (None, lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx] == _DOC_IDS[kv_idx],
-                   r"mask_mod reads a captured int32\[4096\] array through a gather"),
+    "bias[q_idx - kv_idx]": (
+        lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[q_idx - kv_idx], None,
+        r"score_mod reads a captured float32\[8192\] array through a gather with an index "
+        r"per score"),
+    "ids[kv_idx, b]": (None, lambda b, h, q_idx, kv_idx: _BATCH_DOC_IDS.T[kv_idx, b] > 0,
+                       r"mask_mod reads a captured int32\[2,4096\] array whole"),
+    "bias[q_idx + 1]": (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[q_idx + 1], None,
+                        r"float32\[8192\] array through a gather at an offset .* multiple of 8"),
+    "ids[q_idx + 1]": (None, lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx + 1] == 0,
+                       r"at positions 1 to 4096, beyond its last dimension of 4096"),
+    "bias[kv_idx + 4104]": (
+        lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 4104], None,
+        r"at positions 4104 to 8199, beyond its last dimension of 8192"),
     "a row": (lambda s, b, h, q_idx, kv_idx: s + jnp.sum(_TABLE[b]), None,
               r"score_mod reads a captured bfloat16\[2,4\] array a slice at a time"),
     "jnp.take": (lambda s, b, h, q_idx, kv_idx: s * jnp.take(_SLOPES, h), None,
-                 r"score_mod reads a captured float32\[4\] array through a gather"),
+                 r"score_mod reads a captured float32\[4\] array through a gather that fills "
+                 r"out-of-bounds reads"),
 }
 
 
 def _captured_reads(score, b, h, q_idx, kv_idx):  # B 2, Hq 4: every readable kind of read
     return jattn.mods.alibi(_SLOPES)(score, b, h, q_idx, kv_idx) / _TEMPERATURE + _TABLE[b, h]
+
+
+def _ragged_ids(*boundaries_per_row, length=512):
+    """Document ids [B, length] from each batch row's document starts (ragged, unaligned)."""
+    return jnp.stack([jnp.cumsum(jnp.zeros(length, jnp.int32).at[jnp.array(starts)].set(1))
+                      for starts in boundaries_per_row])
+
+
+# B 2, L 512: runs along q_idx and kv_idx of int32, bool (as int32), f32 and bf16 arrays.
+_RAGGED_DOC_IDS = _ragged_ids([37, 200, 333], [130, 131, 400])
+_KEEP_KEY = jnp.arange(512) % 7 != 3
+_KEY_BIAS = jnp.linspace(-1.0, 1.0, 512, dtype=jnp.float32)
+_QUERY_BIAS = jnp.linspace(0.5, -0.5, 512).astype(jnp.bfloat16)
+
+
+def _ragged_documents(b, h, q_idx, kv_idx):
+    same = _RAGGED_DOC_IDS[b, q_idx] == _RAGGED_DOC_IDS[b, kv_idx]
+    return same & (q_idx >= kv_idx) & (_KEEP_KEY[kv_idx] | (q_idx == kv_idx))
+
+
+def _position_biases(score, b, h, q_idx, kv_idx):
+    return score + _KEY_BIAS[kv_idx] - _QUERY_BIAS[q_idx]
 
 
 def _resolved(score_mod, mask_mod, implementation=None):
@@ -204,6 +246,21 @@ def test_captured_reads_lower_for_cuda(as_if_on_hopper):
                                           _spec(B, 2, L, E))
 
 
+def test_runs_by_position_lower_for_cuda(as_if_on_hopper):
+    """Vector loads along q_idx and kv_idx of int32, bool, f32 and bf16 captured arrays (each
+    tile's 64 rows or 128 columns), with the document ids per batch row."""
+    pytest.importorskip("absl")
+    B, Hq, L, E = 2, 4, 512, 128
+    block_mask = jattn.create_block_mask(_ragged_documents, B, None, L, L)
+
+    def attention(q, k, v):
+        return jattn.flex_attention(q, k, v, _position_biases, block_mask,
+                                    implementation=MOSAIC)
+
+    assert "mosaic_gpu" in lower_for_cuda(attention, _spec(B, Hq, L, E), _spec(B, Hq, L, E),
+                                          _spec(B, Hq, L, E))
+
+
 def test_tanh_in_mods_avoids_the_approximate_instruction():
     """The kernel compiles with approximate math; a mod's tanh is computed through exp2
     instead of tanh.approx (off by up to 2**-11). Evaluated here on the CPU, where exp2 is
@@ -218,8 +275,8 @@ def test_tanh_in_mods_avoids_the_approximate_instruction():
                                 (score, index, index, score.astype(jnp.int32), index))
     assert "tanh" in str(traced.closed_jaxpr)
     def in_kernel(score):
-        return pallas_mosaic_gpu_mods.call_in_kernel(traced, [], [], score, index, index,
-                                                     score.astype(jnp.int32), index)[0]
+        return pallas_mosaic_gpu_mods.call_in_kernel(traced, [], [], (score, index, index),
+                                                     (index, index), (128, 128), (64, 128))[0]
 
     evaluated = str(jax.make_jaxpr(in_kernel)(score))
     assert "tanh" not in evaluated and "exp2" in evaluated
@@ -263,6 +320,8 @@ CASES = {
     "empty rows": (1, 2, 2, 384, 64, jnp.float16, None, _first_block_row_empty),
     "captured arrays gqa": (2, 4, 2, 512, 128, jnp.bfloat16, _captured_reads,
                             READABLE["bool flags[h]"][1]),
+    "ragged documents by captured ids": (2, 4, 2, 512, 64, jnp.bfloat16, _position_biases,
+                                         _ragged_documents),
 }
 
 
@@ -271,7 +330,8 @@ CASES = {
 def test_output_lse_and_gradients_match_a_float64_golden(name):
     B, Hq, Hkv, L, E, dtype, score_mod, mask_mod = CASES[name]
     q, k, v = _inputs(B, Hq, Hkv, L, E, dtype)
-    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, None, None, L, L)
+    # Per batch row: some masks differ between rows (document ids of each).
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, None, L, L)
     check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)
     if name == "empty rows":
         out = jattn.flex_attention(q, k, v, score_mod, block_mask, implementation=MOSAIC)
@@ -285,3 +345,17 @@ def test_is_bitwise_repeatable():
     attention = jax.jit(lambda q, k, v: jattn.flex_attention(
         q, k, v, _softcap, mask, enable_gqa=True, implementation=MOSAIC))
     assert_bitwise_equal_runs(lambda: attention(q, k, v))
+
+
+@gpu
+def test_captured_arrays_are_read_at_each_call():
+    """Captured arrays are kernel inputs: new slopes and new document ids between two calls
+    (mods of one trace, so one cached program) give each call's own result."""
+    q, k, v = _inputs(2, 4, 4, 512, 64, jnp.bfloat16, seed=5)
+    for slopes, ids in ((jnp.linspace(0.1, 1.0, 4), _ragged_ids([100, 300], [64, 65])),
+                        (jnp.linspace(2.0, 0.5, 4), _ragged_ids([256], [9, 500]))):
+        def score_mod(score, b, h, q_idx, kv_idx, slopes=slopes):
+            return score + slopes[h] * (kv_idx - q_idx) / 64
+
+        block_mask = jattn.create_block_mask(jattn.masks.document_mask(ids), 2, None, 512, 512)
+        check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)

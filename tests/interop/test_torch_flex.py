@@ -114,13 +114,14 @@ def test_opcheck():
 
 
 def test_on_hopper_torch_mods_choose_as_jattn_does(monkeypatch):
-    """The facts the ops pass on CUDA tensors: a mod reading a captured tensor one element per
-    head (ALiBi slopes) keeps the Mosaic GPU forward, one indexing by position (document ids)
-    falls back to pallas_triton."""
+    """The facts the ops pass on CUDA tensors: mods reading captured tensors one element per
+    head (ALiBi slopes) or by position (document ids) keep the Mosaic GPU forward; one reading
+    a table by relative position falls back to pallas_triton."""
     from jattn._src import bridge, hardware
     monkeypatch.setattr(hardware, "has_cuda", lambda: True)
     monkeypatch.setattr(hardware, "is_hopper", lambda: True)
     slopes, doc_ids = torch.linspace(0.1, 1.0, HQ), torch.arange(4096) // 512
+    relative = torch.randn(2 * 4096)
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
@@ -128,9 +129,13 @@ def test_on_hopper_torch_mods_choose_as_jattn_does(monkeypatch):
     def same_document(b, h, q_idx, kv_idx):
         return doc_ids[q_idx] == doc_ids[kv_idx]
 
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + relative[q_idx - kv_idx + 4096]
+
     q = torch.zeros(B, HQ, 4096, 128, dtype=torch.bfloat16)
     for (score_mod, mask_mod), chosen in (((alibi, None), "pallas_mosaic_gpu"),
-                                          ((alibi, same_document), "pallas_triton")):
+                                          ((alibi, same_document), "pallas_mosaic_gpu"),
+                                          ((relative_bias, same_document), "pallas_triton")):
         mods, captures = _ops.capture_mods(score_mod, mask_mod)
         facts = _ops.flex_facts(q, q, mods, captures)
         assert bridge.resolve("flex_attention", None, on_cuda=True, seq_lengths=(4096, 4096),

@@ -409,3 +409,30 @@ def test_on_cuda_mods_and_changed_state_agree_with_torch(name):
         assert_like_torch(out, dense(*as64(q, k, v), score_mod, same_document),
                           torch_flex(q, k, v, score_mod, same_document))
         scale["value"] *= 0.5
+
+
+@pytest.mark.gpu
+def test_on_hopper_document_ids_read_by_position_agree_with_torch():
+    """bf16 on an H100, the Mosaic GPU forward: torch mods reading captured document ids
+    (int64, per batch row) and per-key biases by position, both replaced in place between
+    three steps; each step's output against the float64 reference."""
+    length, dim = 512, 64
+    q, k, v = (torch.randn(B, H, length, dim, generator=GEN).to("cuda", torch.bfloat16)
+               for _ in range(3))
+    documents = torch.zeros(B, length, dtype=torch.int64, device="cuda")
+    key_bias = torch.zeros(length, device="cuda")
+
+    def same_document(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + key_bias[kv_idx]
+
+    for step in range(3):
+        shifts = torch.tensor([[7 * step], [100 + 13 * step]], device="cuda")
+        documents.copy_((torch.arange(length, device="cuda") + shifts) // (61 + 20 * step))
+        key_bias.copy_(torch.linspace(-1.0, 1.0, length, device="cuda") * (step - 1))
+        mask = jt.create_block_mask(same_document, B, None, length, length, "cuda", 128)
+        out = jt.flex_attention(q, k, v, biased, mask, implementation="pallas_mosaic_gpu")
+        assert_like_torch(out, dense(*as64(q, k, v), biased, same_document),
+                          torch_flex(q, k, v, biased, same_document, block_size=128))

@@ -331,7 +331,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
-                                               xla_mods),
+                                               xla_mods, (L, S)),
         varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures))
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full,
@@ -360,15 +360,15 @@ _UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache()
 
 
 def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
-                        xla_mods) -> str | None:
+                        xla_mods, seq_lengths: tuple[int, int]) -> str | None:
     """The fact of mods reading captured arrays that the Mosaic GPU forward cannot read."""
     if not (score_set.captures or mask_set.captures):
         return None
-    key = tuple(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask))
+    key = (seq_lengths, *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
     fact = _UNREADABLE.get(key)
     if fact is None:
         fact = _UNREADABLE.put(key, (pallas_mosaic_gpu.unreadable_capture(
-            score_mod, mask_mod, score_set.captures, mask_set.captures),))
+            score_mod, mask_mod, score_set.captures, mask_set.captures, seq_lengths),))
     return fact[0]
 
 

@@ -3,8 +3,8 @@
 The forward kernel (`pallas_mosaic_gpu_fwd`) feeds K/V tiles by TMA to two wgmma warpgroups.
 Its LSE follows the convention of the Triton kernels, so their backward runs behind it
 unchanged. What it supports is narrower than pallas_triton's, and `unsupported` says so; the
-registry then falls back with that reason. Its mods read captured arrays one element per
-program (`pallas_mosaic_gpu_mods`).
+registry then falls back with that reason. Its mods read captured arrays by element and by
+position (`pallas_mosaic_gpu_mods`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jattn._src.user_functions import CaptureSet
 CONSUMERS = 2  # consumer warpgroups per program
 ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 BLOCK = (CONSUMERS * ROWS, 128)  # the BlockMask blocks one program walks: its q and kv tiles
+TILE = (ROWS, BLOCK[1])  # the score tile a consumer warpgroup holds, and its mods see
 # K/V slots in shared memory by head dim: 3 do not fit at 128 (120 bytes over the limit).
 STAGES = {64: 3, 128: 2}
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -53,19 +54,21 @@ def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
                 f"vary over mesh axes, and these vary over {varying_tables}; pallas_triton's "
                 "may.")
     if unreadable_capture is not None:
-        return (f"its mods read captured arrays one element per batch row and head (as "
-                f"`slopes[h]` or `bias[b, h]`), and {unreadable_capture}; pallas_triton's "
-                "read any.")
+        return (f"its mods read captured arrays by element (as `slopes[h]` or `bias[b, h]`) or "
+                f"by position along their last dimension (as `doc_ids[b, q_idx]`), and "
+                f"{unreadable_capture}; pallas_triton's read any.")
     return None
 
 
-def unreadable_capture(score_mod, mask_mod, score_captures, mask_captures) -> str | None:
-    """The `unreadable_capture` fact of a call: the first read of a captured array (the call's
-    `score_captures` and `mask_captures`, found by tracing at another shape) that the forward
-    cannot make, described; None when it can make them all."""
+def unreadable_capture(score_mod, mask_mod, score_captures, mask_captures,
+                       seq_lengths: tuple[int, int]) -> str | None:
+    """The `unreadable_capture` fact of a call on sequences of `seq_lengths` (L, S): the first
+    read of a captured array (the call's `score_captures` and `mask_captures`, found by tracing
+    at another shape) that the forward cannot make, described; None when it can make them
+    all."""
     mods = trace_mods(score_mod, mask_mod, CaptureSet(score_captures),
                       CaptureSet(mask_captures), *_tile_signature(), with_vjp=False)
-    return in_kernel.unreadable(mods)
+    return in_kernel.unreadable(mods, seq_lengths, TILE)
 
 
 def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str | None:
@@ -80,10 +83,9 @@ def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str |
 
 
 def _tile_signature():
-    tile = (ROWS, BLOCK[1])
-    index = jax.ShapeDtypeStruct(tile, jnp.int32)
+    index = jax.ShapeDtypeStruct(TILE, jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return jax.ShapeDtypeStruct(tile, jnp.float32), (scalar, scalar, index, index)
+    return jax.ShapeDtypeStruct(TILE, jnp.float32), (scalar, scalar, index, index)
 
 
 def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
@@ -96,19 +98,26 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     fwd = trace_mods(score_mod, mask_mod, score_set, mask_set, *_tile_signature(),
                      with_vjp=False)
     # `unsupported` saw the same reads, unless the mods read differently at this tile's shapes.
-    unreadable = in_kernel.unreadable(fwd)
+    unreadable = in_kernel.unreadable(fwd, (p.L, p.S), TILE)
     if unreadable is not None:
         raise NotImplementedError(f"flex_attention: implementation='pallas_mosaic_gpu' reads "
-                                  f"captured arrays one element at a time, and {unreadable}; "
-                                  "use implementation='pallas_triton'.")
+                                  f"captured arrays by element or by position, and "
+                                  f"{unreadable}; use implementation='pallas_triton'.")
     return dataclasses.replace(p, fwd=fwd, decode=None)
 
 
-def _kernel_mod(fn, avals):
-    """A traced mod as the kernel calls it: (its captures' refs, *tile arguments) -> value."""
+def _kernel_mod(fn, avals, seq_lengths):
+    """A traced mod as the kernel calls it: (its captures' refs, *arguments before q_idx,
+    the tile's first q and kv positions) -> value."""
     if fn is None:
         return None
-    return lambda refs, *args: in_kernel.call_in_kernel(fn, refs, avals, *args)[0]
+
+    def call(refs, *args):
+        *leading, q0, kv0 = args
+        return in_kernel.call_in_kernel(fn, refs, avals, leading, (q0, kv0), seq_lengths,
+                                        TILE)[0]
+
+    return call
 
 
 def _kernel_operand(array):
@@ -126,8 +135,8 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
     return kernel.forward(p, lists.has_full, q, k, v, lists.major("kv"),
                           [_kernel_operand(c) for c in score_caps],
                           [_kernel_operand(c) for c in mask_caps],
-                          _kernel_mod(mods.score, avals[:len(score_caps)]),
-                          _kernel_mod(mods.mask, avals[len(score_caps):]))
+                          _kernel_mod(mods.score, avals[:len(score_caps)], (p.L, p.S)),
+                          _kernel_mod(mods.mask, avals[len(score_caps):], (p.L, p.S)))
 
 
 backward = pallas_triton.backward

@@ -97,14 +97,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                     s = s * p.scale
                 if score_fn is not None or (apply_mask and mask_fn is not None):
                     kv0 = kv_block(step) * bkv
-                    q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 0,
-                                                        layout=plgpu.Layout.WGMMA)
-                    kv_idx = kv0 + plgpu.broadcasted_iota(jnp.int32, (ROWS, bkv), 1,
-                                                          layout=plgpu.Layout.WGMMA)
                     if score_fn is not None:
-                        s = score_fn(score_refs, s, b, h, q_idx, kv_idx)
+                        s = score_fn(score_refs, s, b, h, q0, kv0)
                     if apply_mask and mask_fn is not None:
-                        s = jnp.where(mask_fn(mask_refs, b, h, q_idx, kv_idx), s, -jnp.inf)
+                        s = jnp.where(mask_fn(mask_refs, b, h, q0, kv0), s, -jnp.inf)
                 # Online softmax in base 2; m starts at the finite MASK_VALUE, so a row with no
                 # key kept yet gets exp2(-inf) = 0 and a scale of 1, never NaN.
                 m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
@@ -189,9 +185,10 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     """(out [B, Hq, L, E] of q's dtype, lse [B, Hq, L] float32 natural log).
 
     lists: the BlockMask's kv-major [counts, indices] (then the full ones when has_full),
-    int32. score_fn(refs, score, b, h, q_idx, kv_idx) and mask_fn(refs, b, h, q_idx, kv_idx)
-    take the refs of `score_captures` / `mask_captures` (arrays in global memory), the float32
-    [64, block_kv] tile and int32 indices in the wgmma register layout (b, h scalars).
+    int32. score_fn(refs, score, b, h, q0, kv0) and mask_fn(refs, b, h, q0, kv0) take the refs
+    of `score_captures` / `mask_captures` (arrays in global memory), the float32 [64, block_kv]
+    tile in the wgmma register layout, and int32 scalars: b, h and the positions of the tile's
+    first row and column.
     """
     n_captures = (len(score_captures), len(mask_captures))
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,

@@ -1,117 +1,215 @@
-"""User mods in the Mosaic GPU forward: captured arrays read one element per program, and tanh
+"""User mods in the Mosaic GPU forward: captured arrays read by scalar and vector loads, and tanh
 kept accurate under the kernel's approximate math.
 
 The forward evaluates mods on [64, 128] register tiles in the wgmma layout. Mosaic GPU cannot
-gather into that layout, so a lookup per score (`bias[q_idx - kv_idx]`, `doc_ids[q_idx]`) has
-no lowering there. What it reads cheaply is a scalar from global memory: an element picked by
-the program's batch and head (`slopes[h]`, `bias[b, h]`; traced at the kernel's tile, where b
-and h are scalars, a `dynamic_slice` of size one) or a one-element array used whole (a
-temperature). `unreadable` names the first read outside that set, so that the registry sends
-such calls to pallas_triton; `call_in_kernel` evaluates a traced mod in the kernel with each
-read a scalar load, its indices clamped into the array as a traced lookup's are.
+gather into that layout, so a mod is evaluated with three kinds of values kept symbolic until an
+operation needs a tile:
+- q_idx and kv_idx, as the tile's first row or column plus an iota along it, with the bounds
+  their values take over the call (`_Positions`);
+- scalars standing for arrays of one value (`_Uniform`): broadcasts of b, h and constants, and
+  elements read from captured arrays;
+- captured arrays left in global memory (`_InMemory`).
+Two kinds of reads then stay cheap: an element picked by scalars (`slopes[h]`, `bias[b, h]`, a
+one-element array used whole) is a scalar load, and a run along the last dimension picked by
+q_idx or kv_idx (`doc_ids[q_idx]`, `doc_ids[b, kv_idx]`) is a vector load of the tile's 64
+rows or 128 columns, broadcast over the tile. Any other read (`bias[q_idx - kv_idx]`, a row
+used whole) raises `Unreadable` naming it. `unreadable` evaluates the mods the same way with
+loads left abstract, so that the registry sends such calls to pallas_triton with that reason.
 
 The kernel compiles with approximate math, for the softmax's exp2 (one MUFU op). A mod's exp,
 exp2 and log stay within a few float32 ulps that way, but tanh.approx is off by up to 2**-11
-(0.015 on a softcap of 30), so `call_in_kernel` computes tanh as 1 - 2 / (2**(2x·log2 e) + 1)
-instead: one approximate exp2 and a division, within ~5e-7 of it. (Measured on the H100,
-softcap at B4 H16 L4096 D128 causal: 347 TFLOP/s this way, 284 with precise math throughout,
-330 with the division as rsqrt², 349 with `score / 30` also made a product.)
+(0.015 on a softcap of 30), so tanh is computed as 1 - 2 / (2**(2x·log2 e) + 1) instead: one
+approximate exp2 and a division, within ~5e-7 of it. (Measured on the H100, softcap at B4 H16
+L4096 D128 causal: 347 TFLOP/s this way, 284 with precise math throughout, 330 with the
+division as rsqrt², 349 with `score / 30` also made a product.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
+import numpy as np
+from jax import lax
 
 from jattn._src.attention.common import Mods
 from jattn._src.constants import LOG2_E
 from jattn._src.jaxpr_eval import Deferred, jaxpr_and_consts
+from jattn._src.mesh_axes import aligned
 from jattn._src.user_functions import TracedFunction
 
-# Equations holding a jaxpr that a captured array may be passed into (and that jaxpr_eval
-# inlines for it): its parameter's name. A captured array passed into any other (a remat, say)
-# counts as unreadable.
-_NESTED = {"pjit": "jaxpr", "jit": "jaxpr", "custom_jvp_call": "call_jaxpr"}
+# Equations holding a jaxpr that jaxpr_eval inlines when a symbolic value reaches them.
+_NESTED = ("pjit", "jit", "custom_jvp_call")
 
-_HOW = {"gather": "through a gather (an index per score, or jnp.take)",
-        "dynamic_slice": "a slice at a time"}
+# Primitives applied element by element (with 0-d operands broadcast): on arrays of one value
+# they apply to the values.
+_ELEMENTWISE = frozenset({
+    "abs", "add", "and", "atan2", "ceil", "clamp", "convert_element_type", "cos", "div", "eq",
+    "erf", "exp", "exp2", "expm1", "floor", "ge", "gt", "integer_pow", "is_finite", "le", "log",
+    "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "rem",
+    "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
+    "shift_right_logical", "sign", "sin", "sqrt", "square", "sub", "tan", "tanh", "xor"})
 
+_COMPARISONS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge}
 
-def _is_element_read(eqn, captured) -> bool:
-    """eqn reads one element of a captured array: `table[b, h]` at scalar indices."""
-    return (eqn.primitive.name == "dynamic_slice" and eqn.invars[0] in captured
-            and all(size == 1 for size in eqn.params["slice_sizes"]))
-
-
-def _first_unreadable(jaxpr, captured: set) -> str | None:
-    for eqn in jaxpr.eqns:
-        operands = [(i, var) for i, var in enumerate(eqn.invars)
-                    if not isinstance(var, Literal) and var in captured]
-        if not operands:
-            continue
-        nested = _NESTED.get(eqn.primitive.name)
-        if nested in eqn.params:
-            inner = jaxpr_and_consts(eqn.params[nested])[0]
-            found = _first_unreadable(inner, {inner.invars[i] for i, _ in operands})
-            if found is not None:
-                return found
-            continue
-        for i, var in operands:
-            if (i == 0 and _is_element_read(eqn, captured)) or math.prod(var.aval.shape) == 1:
-                continue
-            how = _HOW.get(eqn.primitive.name, f"whole (in `{eqn.primitive.name}`)")
-            return f"a captured {var.aval.str_short()} array {how}"
-    return None
+# A vector load's start is a multiple of this many elements (the widest load is 16 bytes).
+_ALIGNMENT = 8
 
 
-def unreadable(mods: Mods) -> str | None:
-    """The first captured-array read of `mods` (traced at the Mosaic kernel's tile) that the
-    kernel cannot make, described (`score_mod reads a captured f32[16,1024] array per score (a
-    gather)`); None when it reads only single elements."""
-    for name, fn in (("score_mod", mods.score), ("mask_mod", mods.mask)):
-        if fn is not None:
-            jaxpr = jaxpr_and_consts(fn.closed_jaxpr)[0]
-            found = _first_unreadable(jaxpr, set(jaxpr.constvars))
-            if found is not None:
-                return f"{name} reads {found}"
-    return None
+class Unreadable(NotImplementedError):
+    """A mod reads a captured array in a way the Mosaic GPU forward cannot; the message says
+    how (`a captured int32[64] array through a gather with an index per score`)."""
+
+
+class _Kernel:
+    """Loads and iotas inside the kernel body."""
+
+    def __init__(self):
+        self._tiles: dict[int, tuple[Any, Any]] = {}
+
+    def positions(self, positions: _Positions) -> Any:
+        # Each use of q_idx or kv_idx as a tile shares one iota (kept alive beside its key).
+        if id(positions) not in self._tiles:
+            self._tiles[id(positions)] = (positions, positions.start + self.iota(
+                positions.tile, positions.axis))
+        return self._tiles[id(positions)][1]
+
+    def iota(self, tile, axis):
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        return plgpu.broadcasted_iota(jnp.int32, tile, axis, layout=plgpu.Layout.WGMMA)
+
+    def element(self, ref, flat, dtype):
+        return ref[flat]
+
+    def run(self, ref, start, tile, axis, dtype):
+        from jax.experimental import pallas as pl
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        # The tile's rows vary along axis 0: their values sit in the layout of a row reduction.
+        layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+        run = ref.at[pl.ds(pl.multiple_of(start, _ALIGNMENT), tile[axis])]
+        # jax 0.11 takes the ref alone (an index beside it is deprecated); 0.10 needs one.
+        index = inspect.signature(plgpu.load).parameters["idx"].default
+        vector = plgpu.load(run, *([()] if index is inspect.Parameter.empty else []),
+                            layout=layout, optimized=False)
+        return lax.broadcast_in_dim(vector, tile, [axis])
+
+
+class _Abstract(_Kernel):
+    """Loads and iotas as `unreadable` sees them (under jax.eval_shape): zeros."""
+
+    def iota(self, tile, axis):
+        return lax.broadcasted_iota(jnp.int32, tile, axis)
+
+    def element(self, ref, flat, dtype):
+        return jnp.zeros((), dtype)
+
+    def run(self, ref, start, tile, axis, dtype):
+        return jnp.zeros(tile, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class _InMemory(Deferred):
-    """A captured array in global memory, flattened (`ref`), with its shape and dtype."""
+    """A captured array in global memory, flattened (`ref`), with its shape and dtype (bool
+    arrays are stored as int32)."""
     ref: Any
     shape: tuple[int, ...]
     dtype: Any
+    env: _Kernel
 
-    def element(self, index: Sequence[Any]) -> Any:
+    def describe(self) -> str:
+        return f"a captured {jax.core.ShapedArray(self.shape, self.dtype).str_short()} array"
+
+    def _flat(self, index: Sequence[Any]) -> Any:
         flat = 0
         for i, size in zip(index, self.shape):
             flat = flat * size + jnp.clip(i, 0, size - 1)
-        value = self.ref[flat]
+        return flat
+
+    def _typed(self, value: Any) -> Any:
         return value != 0 if self.dtype == jnp.bool_ else value
+
+    def element(self, index: Sequence[Any]) -> Any:
+        """The element at scalar indices, clamped into the array as a traced lookup's are."""
+        return self._typed(self.env.element(self.ref, self._flat(index), self.dtype))
+
+    def run(self, leading: Sequence[Any], positions: _Positions) -> Any:
+        """A tile of the elements at `leading` scalar indices and `positions` along the last
+        dimension (which `positions` stays inside), constant across the other tile axis."""
+        start = self._flat([*leading, 0]) + positions.start
+        return self._typed(self.env.run(self.ref, start, positions.tile, positions.axis,
+                                        self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Element(Deferred):
-    """A scalar standing for an array of ones' shape (what a size-one lookup traced to)."""
+class _Positions(Deferred):
+    """q_idx (axis 0) or kv_idx (axis 1) of a tile: `start` plus the row or column. Its values
+    lie in [lo, hi) over the call; `shape` is the tile's, with ones appended where the mod made
+    it an index vector."""
+    axis: int
+    start: Any
+    lo: int
+    hi: int
+    tile: tuple[int, int]
+    shape: tuple[int, ...]
+
+    def shifted(self, by: int) -> _Positions:
+        return dataclasses.replace(self, start=self.start + by, lo=self.lo + by,
+                                   hi=self.hi + by)
+
+    def with_shape(self, shape: Sequence[int]) -> _Positions | None:
+        shape = tuple(shape)
+        extra = shape[len(self.tile):]
+        if shape[:len(self.tile)] != self.tile or any(d != 1 for d in extra):
+            return None
+        return dataclasses.replace(self, shape=shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Uniform(Deferred):
+    """A scalar standing for an array of `shape` holding it everywhere."""
     value: Any
     shape: tuple[int, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Index(Deferred):
+    """Index vectors along a last axis (a concatenation): one scalar or one q_idx / kv_idx per
+    component."""
+    parts: tuple[Any, ...]
+    shape: tuple[int, ...]
+
+
+def _uniform(value: Any, shape: Sequence[int]) -> Any:
+    return value if tuple(shape) == () else _Uniform(value, tuple(shape))
+
+
 def _scalar(x: Any) -> Any:
+    """A scalar operand's value: a uniform's, a one-element captured array's element."""
     if isinstance(x, _InMemory):
         return x.element([0] * len(x.shape))
-    return x.value if isinstance(x, _Element) else x
+    return x.value if isinstance(x, _Uniform) else x
 
 
-def _as_shaped(value: Any, shape: Sequence[int]) -> Any:
-    return value if tuple(shape) == () else _Element(value, tuple(shape))
+def _is_scalar(x: Any) -> bool:
+    if isinstance(x, _InMemory):
+        return math.prod(x.shape) == 1
+    return isinstance(x, _Uniform) or (not isinstance(x, Deferred) and jnp.ndim(x) == 0)
+
+
+def _static(x: Any) -> Any:
+    """x's value where known while tracing (a literal, a comparison decided by bounds)."""
+    x = x.value if isinstance(x, _Uniform) else x
+    if isinstance(x, (bool, int, float, np.generic)) or (isinstance(x, np.ndarray)
+                                                        and x.ndim == 0):
+        return x.item() if hasattr(x, "item") else x
+    return None
 
 
 def _tanh(x: Any) -> Any:
@@ -119,41 +217,222 @@ def _tanh(x: Any) -> Any:
     return 1.0 - 2.0 / (jnp.exp2(x * (2.0 * LOG2_E)) + 1.0)
 
 
-def _in_kernel(primitive, operands, params) -> list[Any] | None:
-    """jaxpr_eval's rewrite: tanh through exp2; lookups become scalar loads, and ops on their
-    results stay scalar until a broadcast makes them a tile."""
-    name = primitive.name
-    if name == "tanh" and not isinstance(operands[0], Deferred):
-        return [_tanh(operands[0])]
-    if name in _NESTED or not any(isinstance(x, Deferred) for x in operands):
+def _bind(primitive, operands, params) -> Any:
+    """The op on concrete operands, cast to vary alike over mesh axes (inside shard_map,
+    jaxpr_eval leaves operands that were symbolic to the rewrite)."""
+    if primitive.name == "tanh":
+        return _tanh(operands[0])
+    return primitive.bind(*aligned(*operands), **params)
+
+
+def _array(env: _Kernel, x: Any, used_in: str) -> Any:
+    """A symbolic value as an array of its shape; `used_in` names the operation that needs
+    it (for what cannot be one)."""
+    if isinstance(x, _Uniform):
+        return jnp.broadcast_to(x.value, x.shape)
+    if isinstance(x, _InMemory):
+        if math.prod(x.shape) != 1:
+            raise Unreadable(f"{x.describe()} whole (in `{used_in}`)")
+        return jnp.broadcast_to(_scalar(x), x.shape)
+    if isinstance(x, _Positions):
+        if x.shape != x.tile:
+            raise Unreadable(f"q_idx or kv_idx as an index vector {x.shape} (in `{used_in}`)")
+        return env.positions(x)
+    if isinstance(x, _Index):
+        raise Unreadable(f"an index vector {x.shape} built from q_idx or kv_idx (in "
+                         f"`{used_in}`)")
+    return x
+
+
+def _gather(table: _InMemory, indices: Any, params) -> Any:
+    """table[indices] (a lookup per index vector) as a scalar or vector load."""
+    how = f"{table.describe()} through a gather"
+    numbers, rank = params["dimension_numbers"], len(table.shape)
+    if (tuple(numbers.offset_dims) or tuple(numbers.collapsed_slice_dims) != tuple(range(rank))
+            or tuple(numbers.start_index_map) != tuple(range(rank))
+            or tuple(numbers.operand_batching_dims)
+            or any(size != 1 for size in params["slice_sizes"])):
+        raise Unreadable(f"{how} of slices")
+    if params["mode"] not in (lax.GatherScatterMode.CLIP,
+                              lax.GatherScatterMode.PROMISE_IN_BOUNDS):
+        raise Unreadable(f"{how} that fills out-of-bounds reads (jnp.take's default mode; "
+                         "index the array instead)")
+    if isinstance(indices, _Index):
+        parts = list(indices.parts)
+    elif isinstance(indices, _Uniform):
+        parts = [indices] * indices.shape[-1]
+    elif isinstance(indices, _Positions) and indices.shape[-1:] == (1,):
+        parts = [indices]
+    else:
+        raise Unreadable(f"{how} with an index per score")
+    out_shape = tuple(indices.shape[:-1])
+    along = [i for i, part in enumerate(parts) if isinstance(part, _Positions)]
+    if not along:
+        return _uniform(table.element([_scalar(part) for part in parts]), out_shape)
+    positions = parts[-1]
+    if along != [rank - 1] or out_shape != positions.tile:
+        raise Unreadable(f"{how} with an index per score (q_idx or kv_idx may index its last "
+                         "dimension only, with scalars before it)")
+    if positions.lo < 0 or positions.hi > table.shape[-1]:
+        raise Unreadable(f"{how} at positions {positions.lo} to {positions.hi - 1}, beyond its "
+                         f"last dimension of {table.shape[-1]}")
+    if positions.lo % _ALIGNMENT or (rank > 1 and table.shape[-1] % _ALIGNMENT):
+        raise Unreadable(f"{how} at an offset or a row length that is not a multiple of "
+                         f"{_ALIGNMENT}")
+    return table.run([_scalar(part) for part in parts[:-1]], positions)
+
+
+def _on_positions(name: str, operands: Sequence[Any], params) -> Any:
+    """An elementwise op kept symbolic on q_idx / kv_idx: shifts by constants, comparisons
+    that their bounds decide, and selections by a decided predicate; None otherwise."""
+    if name == "select_n":
+        pred = _static(operands[0]) if isinstance(operands[0], _Uniform) else None
+        return None if pred is None else operands[1 + int(pred)]
+    if name == "convert_element_type":
+        keep = jnp.dtype(params["new_dtype"]) == jnp.int32
+        return operands[0] if keep and isinstance(operands[0], _Positions) else None
+    if len(operands) != 2:
         return None
-    if name == "dynamic_slice" and isinstance(operands[0], _InMemory):
-        value = operands[0].element([_scalar(s) for s in operands[1:]])
-        return [_as_shaped(value, params["slice_sizes"])]
-    scalars = [_scalar(x) for x in operands]
-    if name == "broadcast_in_dim":
-        return [jnp.broadcast_to(scalars[0], params["shape"])]
-    if name == "reshape":
-        return [_as_shaped(scalars[0], params["new_sizes"])]
-    if name == "squeeze":
-        shape = next(x.shape for x in operands if isinstance(x, Deferred))
-        return [_as_shaped(scalars[0], [d for i, d in enumerate(shape)
-                                        if i not in params["dimensions"]])]
-    # Elementwise on one-element arrays: the same op on their scalars.
+    first, second = operands
+    if isinstance(first, _Positions) and isinstance(_static(second), int):
+        positions, constant, positions_first = first, _static(second), True
+    elif isinstance(second, _Positions) and isinstance(_static(first), int):
+        positions, constant, positions_first = second, _static(first), False
+    else:
+        return None
+    if name == "add" or (name == "sub" and positions_first):
+        return positions.shifted(constant if name == "add" else -constant)
+    if name in _COMPARISONS:
+        compare = _COMPARISONS[name]
+        ends = [compare(x, constant) if positions_first else compare(constant, x)
+                for x in (positions.lo, positions.hi - 1)]
+        # A comparison with a constant is monotonic in the position: equal ends decide it.
+        return _Uniform(np.bool_(ends[0]), positions.shape) if ends[0] == ends[1] else None
+    return None
+
+
+def _elementwise(primitive, operands, params) -> Any:
+    """An elementwise op on symbolic operands kept symbolic where it can be; None otherwise."""
+    for x in operands:
+        if isinstance(x, _InMemory) and math.prod(x.shape) != 1:
+            raise Unreadable(f"{x.describe()} whole (in `{primitive.name}`)")
+    if any(isinstance(x, (_Positions, _Index)) for x in operands):
+        return _on_positions(primitive.name, operands, params)
+    if not all(_is_scalar(x) for x in operands):
+        return None
     shape = max((x.shape for x in operands if isinstance(x, Deferred)), key=len)
     try:
-        out = primitive.bind(*scalars, **params)
-    except (TypeError, ValueError) as error:
-        raise NotImplementedError(
-            f"implementation='pallas_mosaic_gpu' reads captured arrays one element at a time "
-            f"and cannot apply `{name}` to such an element; use "
-            "implementation='pallas_triton'.") from error
-    return [_as_shaped(out, shape)] if not primitive.multiple_results else out
+        out = _bind(primitive, [_scalar(x) for x in operands], params)
+    except (TypeError, ValueError):
+        return None
+    return _uniform(out, shape)
+
+
+def _reshaped(x: Any, shape: Sequence[int]) -> Any:
+    if isinstance(x, _Uniform):
+        return _uniform(x.value, shape)
+    if isinstance(x, _InMemory) and math.prod(x.shape) == 1:
+        return _uniform(_scalar(x), shape)
+    if isinstance(x, _Positions):
+        return x.with_shape(shape)
+    return None
+
+
+def _structural(name: str, operands: Sequence[Any], params) -> Any:
+    """Broadcasts, reshapes and concatenations of symbolic values kept symbolic; lookups into
+    captured arrays as loads; None for anything else."""
+    x = operands[0]
+    if name == "broadcast_in_dim":
+        if isinstance(x, _Positions) and tuple(params["broadcast_dimensions"]) != tuple(
+                range(len(x.shape))):
+            return None
+        return _reshaped(x, params["shape"])
+    if name == "reshape" and params.get("dimensions") is None:
+        return _reshaped(x, params["new_sizes"])
+    if name == "squeeze":
+        return _reshaped(x, [d for i, d in enumerate(x.shape) if i not in params["dimensions"]])
+    if name == "concatenate" and params["dimension"] == len(x.shape) - 1:
+        parts: list[Any] = []
+        for part in operands:
+            if isinstance(part, _Uniform):
+                parts += [part] * part.shape[-1]
+            elif isinstance(part, _Positions) and part.shape[-1:] == (1,):
+                parts.append(part)
+            else:
+                return None
+        return _Index(tuple(parts), (*x.shape[:-1], len(parts)))
+    if name == "dynamic_slice" and isinstance(x, _InMemory):
+        if any(size != 1 for size in params["slice_sizes"]):
+            raise Unreadable(f"{x.describe()} a slice at a time")
+        return _uniform(x.element([_scalar(i) for i in operands[1:]]), params["slice_sizes"])
+    if name == "gather" and isinstance(x, _InMemory):
+        return _gather(x, operands[1], params)
+    return None
+
+
+def _rewrite(env: _Kernel, primitive, operands, params) -> list[Any] | None:
+    """jaxpr_eval's rewrite for mods in the kernel (see the module docstring)."""
+    name = primitive.name
+    if name in _NESTED:
+        return None
+    if not any(isinstance(x, Deferred) for x in operands):
+        if name == "broadcast_in_dim" and jnp.ndim(operands[0]) == 0:
+            return [_uniform(operands[0], params["shape"])]
+        return [_bind(primitive, operands, params)] if name == "tanh" else None
+    out = (_elementwise(primitive, operands, params) if name in _ELEMENTWISE
+           else _structural(name, operands, params))
+    if out is not None:
+        return [out]
+    out = _bind(primitive, [_array(env, x, name) for x in operands], params)
+    return out if primitive.multiple_results else [out]
+
+
+def _evaluate(fn: TracedFunction, env: _Kernel, refs: Sequence[Any], avals: Sequence[Any],
+              leading: Sequence[Any], starts: Sequence[Any], seq_lengths: Sequence[int],
+              tile: tuple[int, int]) -> list[Any]:
+    captures = [None if aval is None else
+                _InMemory(ref, tuple(aval.shape), aval.dtype, env)
+                for ref, aval in zip(refs, avals)]
+    positions = [_Positions(axis, start, 0, length, tile, tile)
+                 for axis, (start, length) in enumerate(zip(starts, seq_lengths))]
+    outputs = fn(captures, *leading, *positions, rewrite=functools.partial(_rewrite, env))
+    return [_array(env, out, "the mod's result") for out in outputs]
 
 
 def call_in_kernel(fn: TracedFunction, refs: Sequence[Any], avals: Sequence[Any],
-                   *args: Any) -> list[Any]:
-    """A traced mod's outputs in the kernel body: `refs` are its call's captured arrays in
-    global memory, flattened, and `avals` their shapes and dtypes (in capture-list order)."""
-    captures = [_InMemory(ref, tuple(aval.shape), aval.dtype) for ref, aval in zip(refs, avals)]
-    return fn(captures, *args, rewrite=_in_kernel)
+                   leading: Sequence[Any], starts: Sequence[Any], seq_lengths: Sequence[int],
+                   tile: tuple[int, int]) -> list[Any]:
+    """A traced mod's outputs in the kernel body, on a `tile` whose first row and column are
+    the positions `starts` (int32 scalars) of sequences of `seq_lengths` (L, S).
+
+    refs: the call's captured arrays in global memory, flattened (capture-list order), with
+    `avals` their shapes and dtypes; leading: the mod's arguments before q_idx and kv_idx
+    ((score, b, h) or (b, h)). Raises Unreadable for a read it cannot make.
+    """
+    return _evaluate(fn, _Kernel(), refs, avals, leading, starts, seq_lengths, tile)
+
+
+def unreadable(mods: Mods, seq_lengths: Sequence[int], tile: tuple[int, int]) -> str | None:
+    """The first captured-array read of `mods` (traced at the kernel's `tile`) that the kernel
+    cannot make, described (`mask_mod reads a captured f32[16,1024] array through a gather
+    with an index per score`); None when it can make them all."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    for name, fn, leading in (
+            ("score_mod", mods.score, [jax.ShapeDtypeStruct(tile, jnp.float32), index, index]),
+            ("mask_mod", mods.mask, [index, index])):
+        if fn is None:
+            continue
+        consts = jaxpr_and_consts(fn.closed_jaxpr)[0].constvars
+        avals: list[Any] = [None] * (max(fn.capture_slots, default=-1) + 1)
+        for slot, var in zip(fn.capture_slots, consts):
+            avals[slot] = var.aval
+
+        def abstract(leading, starts, fn=fn, avals=avals):
+            return _evaluate(fn, _Abstract(), [None] * len(avals), avals, leading, starts,
+                             seq_lengths, tile)
+
+        try:
+            jax.eval_shape(abstract, leading, [index, index])
+        except Unreadable as error:
+            return f"{name} reads {error}"
+    return None
