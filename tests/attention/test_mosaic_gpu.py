@@ -110,7 +110,7 @@ _DOC_IDS = jnp.arange(4096, dtype=jnp.int32) // 128
 _TEMPERATURE = jnp.float32(2.0)
 
 _BATCH_DOC_IDS = jnp.stack([_DOC_IDS, _DOC_IDS // 3])
-_POSITION_BIAS = jnp.zeros((8192,), jnp.float32)
+_POSITION_BIAS = jnp.linspace(-1.0, 1.0, 8192, dtype=jnp.float32)
 
 READABLE = {
     "slopes[h]": (jattn.mods.alibi(_SLOPES), None),
@@ -121,6 +121,16 @@ READABLE = {
     "ids[b, kv_idx]": (None, jattn.masks.and_masks(jattn.masks.causal_mask,
                                                    jattn.masks.document_mask(_BATCH_DOC_IDS))),
     "bias[kv_idx + 8]": (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 8], None),
+}
+_TRICKY = {  # reads and index arithmetic the kernel's evaluation keeps symbolic or decides
+    "shifted and compared": (
+        lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 8]
+        * jnp.where(q_idx >= 0, 1.0, 2.0) - (kv_idx < 300) * _SLOPES[h],
+        lambda b, h, q_idx, kv_idx: (_BATCH_DOC_IDS[b, q_idx] >= _BATCH_DOC_IDS[b, kv_idx])
+        & (q_idx + 64 > kv_idx)),
+    "negative indices": (
+        lambda s, b, h, q_idx, kv_idx: s + _TABLE[b - 2, -1 - h % 4].astype(jnp.float32),
+        lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx - 4096] != _DOC_IDS[-4096 + kv_idx]),
 }
 UNREADABLE = {
     "bias[q_idx - kv_idx]": (
@@ -182,9 +192,9 @@ def _resolved(score_mod, mask_mod, implementation=None):
     return seen[0]
 
 
-@pytest.mark.parametrize("name", READABLE)
-def test_mods_reading_one_element_per_program_run_on_mosaic(as_if_on_hopper, name):
-    assert _resolved(*READABLE[name]).chosen == MOSAIC
+@pytest.mark.parametrize("name", [*READABLE, *_TRICKY])
+def test_mods_reading_by_element_or_position_run_on_mosaic(as_if_on_hopper, name):
+    assert _resolved(*(READABLE | _TRICKY)[name]).chosen == MOSAIC
 
 
 @pytest.mark.parametrize("name", UNREADABLE)
@@ -246,19 +256,63 @@ def test_captured_reads_lower_for_cuda(as_if_on_hopper):
                                           _spec(B, 2, L, E))
 
 
-def test_runs_by_position_lower_for_cuda(as_if_on_hopper):
+@pytest.mark.parametrize("mods", [(_position_biases, _ragged_documents),
+                                  _TRICKY["shifted and compared"]])
+def test_runs_by_position_lower_for_cuda(as_if_on_hopper, mods):
     """Vector loads along q_idx and kv_idx of int32, bool, f32 and bf16 captured arrays (each
-    tile's 64 rows or 128 columns), with the document ids per batch row."""
+    tile's 64 rows or 128 columns), with the document ids per batch row; comparisons that the
+    positions' bounds decide."""
     pytest.importorskip("absl")
     B, Hq, L, E = 2, 4, 512, 128
-    block_mask = jattn.create_block_mask(_ragged_documents, B, None, L, L)
+    score_mod, mask_mod = mods
+    block_mask = jattn.create_block_mask(mask_mod, B, None, L, L)
 
     def attention(q, k, v):
-        return jattn.flex_attention(q, k, v, _position_biases, block_mask,
-                                    implementation=MOSAIC)
+        return jattn.flex_attention(q, k, v, score_mod, block_mask, implementation=MOSAIC)
 
     assert "mosaic_gpu" in lower_for_cuda(attention, _spec(B, Hq, L, E), _spec(B, Hq, L, E),
                                           _spec(B, Hq, L, E))
+
+
+@pytest.mark.parametrize("name", [*READABLE, *_TRICKY])
+def test_mods_evaluated_as_in_the_kernel_equal_them_evaluated_plainly(name):
+    """The kernel's evaluation of mods (q_idx and kv_idx as a tile's first position plus an
+    iota, reads as scalar and vector loads) computes what the mods compute on index tiles. The
+    loads are done here on the CPU from the flattened arrays the kernel gets, at tiles placed
+    at several batch rows, heads and positions of a B 2, H 4, L 4096 call."""
+    from jattn._src.attention import pallas_mosaic_gpu as mosaic
+    from jattn._src.attention import pallas_mosaic_gpu_mods as in_kernel
+    from jattn._src.attention.common import trace_mods
+    from jattn._src.user_functions import CaptureSet
+
+    class LoadsOnTheCpu(in_kernel._Abstract):
+        def element(self, ref, flat, dtype):
+            return ref[flat]
+
+        def run(self, ref, start, tile, axis, dtype):
+            run = jax.lax.dynamic_slice(ref, (start,), (tile[axis],))
+            return jax.lax.broadcast_in_dim(run, tile, [axis])
+
+    score_mod, mask_mod = (READABLE | _TRICKY)[name][:2]
+    score_set, mask_set = CaptureSet(), CaptureSet()
+    mods = trace_mods(score_mod, mask_mod, score_set, mask_set, *mosaic._tile_signature(),
+                      with_vjp=False)
+    tile, rng = mosaic.TILE, np.random.default_rng(0)
+    score = jnp.asarray(rng.standard_normal(tile), jnp.float32)
+    for b, h, q0, kv0 in ((0, 0, 0, 0), (1, 3, 4032, 128), (1, 2, 320, 3968)):
+        q_idx = q0 + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
+        kv_idx = kv0 + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+        index = [jnp.int32(b), jnp.int32(h)]
+        for fn, captures, leading, plain in (
+                (mods.score, score_set.captures, [score, *index], score_mod),
+                (mods.mask, mask_set.captures, index, mask_mod)):
+            if fn is None:
+                continue
+            refs = [mosaic._kernel_operand(c) for c in captures]
+            avals = [jax.typeof(c) for c in captures]
+            [ours] = in_kernel._evaluate(fn, LoadsOnTheCpu(), refs, avals, leading,
+                                         (jnp.int32(q0), jnp.int32(kv0)), (4096, 4096), tile)
+            np.testing.assert_array_equal(ours, plain(*leading, q_idx, kv_idx))
 
 
 def test_tanh_in_mods_avoids_the_approximate_instruction():
@@ -322,6 +376,8 @@ CASES = {
                             READABLE["bool flags[h]"][1]),
     "ragged documents by captured ids": (2, 4, 2, 512, 64, jnp.bfloat16, _position_biases,
                                          _ragged_documents),
+    "shifted reads, decided comparisons": (2, 4, 4, 512, 128, jnp.float16,
+                                           *_TRICKY["shifted and compared"]),
 }
 
 
