@@ -142,7 +142,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, out_ref.at[b, h, pl.ds(q0, ROWS)])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q0, ROWS)])
-            plgpu.wait_smem_to_gmem(0)
+            # Shared memory is free once the stores have read it; the program ends without
+            # waiting for them to land (+1.6% at D64 with four K/V tiles per row).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         @pl.when(wg == CONSUMERS)
         def _producer():
