@@ -293,9 +293,9 @@ def flex_facts(q, v, mods: str, captures: Sequence) -> dict:
 def _unreadable_capture(mods: str, specs: tuple, seq_lengths: tuple[int, int]) -> str | None:
     """The `unreadable_capture` fact of `mods` reading captured arrays of `specs` ((shape,
     JAX dtype) each) on sequences of `seq_lengths`."""
-    if not specs:
-        return None
     score, mask = translated_mods(mods)
+    if score is None and mask is None:
+        return None
     return bridge.unreadable_capture(None if score is None else score.bind,
                                      None if mask is None else mask.bind,
                                      0 if score is None else score.n_captures, specs,

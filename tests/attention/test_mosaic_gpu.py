@@ -146,6 +146,9 @@ UNREADABLE = {
     "bias[kv_idx + 4104]": (
         lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 4104], None,
         r"at positions 4104 to 8199, beyond its last dimension of 8192"),
+    "an array built in the mod": (
+        lambda s, b, h, q_idx, kv_idx: s + jnp.arange(4096.0)[q_idx], None,
+        r"score_mod reads q_idx or kv_idx as an index vector \(64, 128, 1\) \(in `gather`\)"),
     "a row": (lambda s, b, h, q_idx, kv_idx: s + jnp.sum(_TABLE[b]), None,
               r"score_mod reads a captured bfloat16\[2,4\] array a slice at a time"),
     "jnp.take": (lambda s, b, h, q_idx, kv_idx: s * jnp.take(_SLOPES, h), None,

@@ -361,8 +361,9 @@ _UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache()
 
 def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
                         xla_mods, seq_lengths: tuple[int, int]) -> str | None:
-    """The fact of mods reading captured arrays that the Mosaic GPU forward cannot read."""
-    if not (score_set.captures or mask_set.captures):
+    """The fact of mods reading captured arrays (or arrays they build, as
+    `jnp.arange(n)[q_idx]`) in ways the Mosaic GPU forward cannot."""
+    if score_mod is None and mask_mod is None:
         return None
     key = (seq_lengths, *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
     fact = _UNREADABLE.get(key)
