@@ -265,6 +265,8 @@ def _gather(table: _InMemory, indices: Any, params) -> Any:
         parts = [indices]
     else:
         raise Unreadable(f"{how} with an index per score")
+    if len(parts) != rank:
+        raise Unreadable(f"{how} of slices")
     out_shape = tuple(indices.shape[:-1])
     along = [i for i, part in enumerate(parts) if isinstance(part, _Positions)]
     if not along:
