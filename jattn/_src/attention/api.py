@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jattn._src import backends, precision
+from jattn._src import backends, hardware, precision
 from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, checked_mask_mod, checked_score_mod,
                                          trace_mods, without_captures)
@@ -326,16 +326,17 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
                           *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
                           with_vjp=False)
+    # The traces' texts, which key the program (computed once: each is a jaxpr printed).
+    mod_keys = tuple(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask))
     lists = block_mask.lists()
     implementation = backends.resolve(
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
-                                               xla_mods, (L, S)),
+                                               mod_keys, (L, S)),
         varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures))
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
-           dense, block_mask.block_size, block_mask.shape, lists.has_full,
-           *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
+           dense, block_mask.block_size, block_mask.shape, lists.has_full, *mod_keys)
     program = _PROGRAMS.get(key)
     if program is None:
         found = len(score_set.captures), len(mask_set.captures)
@@ -360,12 +361,13 @@ _UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache()
 
 
 def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
-                        xla_mods, seq_lengths: tuple[int, int]) -> str | None:
+                        mod_keys: tuple, seq_lengths: tuple[int, int]) -> str | None:
     """The fact of mods reading captured arrays (or arrays they build, as
-    `jnp.arange(n)[q_idx]`) in ways the Mosaic GPU forward cannot."""
-    if score_mod is None and mask_mod is None:
+    `jnp.arange(n)[q_idx]`) in ways the Mosaic GPU forward cannot; mod_keys: the keys of
+    their XLA traces. Off Hopper that forward cannot run at all, so the fact is not needed."""
+    if (score_mod is None and mask_mod is None) or not hardware.is_hopper():
         return None
-    key = (seq_lengths, *(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask)))
+    key = (seq_lengths, *mod_keys)
     fact = _UNREADABLE.get(key)
     if fact is None:
         fact = _UNREADABLE.put(key, (pallas_mosaic_gpu.unreadable_capture(

@@ -97,7 +97,8 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
                                  config=config)
     fwd = trace_mods(score_mod, mask_mod, score_set, mask_set, *_tile_signature(),
                      with_vjp=False)
-    # `unsupported` saw the same reads, unless the mods read differently at this tile's shapes.
+    # `unsupported` judged the fact cached by the mods' XLA traces; a mod whose reads depend on
+    # the shapes it sees may read otherwise at this tile.
     unreadable = in_kernel.unreadable(fwd, (p.L, p.S), TILE)
     if unreadable is not None:
         raise NotImplementedError(f"flex_attention: implementation='pallas_mosaic_gpu' reads "
