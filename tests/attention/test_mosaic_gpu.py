@@ -406,15 +406,17 @@ def _window_by_head(b, h, q_idx, kv_idx):  # causal, 128 (h + 1) keys back: work
     (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None),
     (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None),
     (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4),
+    (2, 8, 4, 128, jnp.bfloat16, None, None, None),  # no BlockMask: up to 16 tiles, 9 here
 ])
 def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv, E, dtype,
                                                          score_mod, mask_mod, heads):
-    """With few SMs for the tiles (3 here, 20-40 tiles of 640 queries), each program walks up
-    to seven tiles, the BlockMask rows with the most blocks first, the last program fewer: its
-    K/V ring and query buffers run on from one tile into the next."""
+    """With few SMs for the tiles (3 here, 20-80 tiles of 640 queries), each program walks up
+    to seven or nine tiles, the BlockMask rows with the most blocks first, the last program
+    fewer: its K/V ring and query buffers run on from one tile into the next."""
     monkeypatch.setattr(hardware, "num_sms", lambda: 3)
     q, k, v = _inputs(B, Hq, Hkv, 640, E, dtype, seed=7)
-    block_mask = jattn.create_block_mask(mask_mod, B, heads, 640, 640)
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, heads, 640,
+                                                                       640)
     check_against_golden(MOSAIC, q, k, v, score_mod, block_mask, grads=False)
 
 

@@ -344,7 +344,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           mask_batch=block_mask.shape[0], mask_heads=block_mask.shape[1],
                           mask_block=block_mask.block_size, scale=scale,
                           precision=precision_name, implementation=implementation,
-                          config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods)
+                          config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods,
+                          dense=dense)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, dense=dense, config=config)

@@ -59,6 +59,7 @@ class Problem:
     dkdv: Mods         # kernel dK/dV tile, transposed: [keys, queries]; or the XLA block
     xla: Mods          # XLA block: the XLA path, and gradients of captured arrays
     decode: Any = None  # a decoding DecodeProblem when the forward runs the decode kernel
+    dense: bool = False  # no BlockMask was given: every query block attends to every kv block
 
     @property
     def groups(self) -> int:

@@ -30,7 +30,11 @@ SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in sh
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
 # from one into the next. H100, 8 against 1: +4.4% full, +4.8% document masks, 0% causal at
 # B4 H16 L4096 D128; +3% full, +9% document masks at D64; +1% full, +3% causal at L16384.
+# Without a BlockMask every tile has the same work, and 16 gained another 0.3-2.2%; with one,
+# rows of unequal work need programs to spare for the hardware to balance (16 lost 34-40% on
+# causal masks, where the programs fit in one wave over the SMs).
 MAX_TILES_PER_PROGRAM = 8
+MAX_TILES_PER_PROGRAM_DENSE = 16
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, score_fn,
@@ -245,16 +249,16 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     )
 
 
-def _tiles_per_program(tiles: int) -> int:
-    """The most tiles per program (up to the maximum) whose programs take no more waves of
-    tiles over the SMs than one tile per program would."""
+def _tiles_per_program(tiles: int, most: int) -> int:
+    """The most tiles per program, up to `most`, whose programs take no more waves of tiles
+    over the SMs than one tile per program would."""
     sms = hardware.num_sms()
 
     def wave_tiles(group):
         programs = -(-tiles // group)
         return -(-programs // sms) * group
 
-    return max(g for g in range(1, MAX_TILES_PER_PROGRAM + 1) if wave_tiles(g) <= wave_tiles(1))
+    return max(g for g in range(1, most + 1) if wave_tiles(g) <= wave_tiles(1))
 
 
 def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_captures=(),
@@ -269,7 +273,8 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     """
     n_captures = (len(score_captures), len(mask_captures))
     tiles = p.B * (p.L // BLOCK[0]) * p.Hq
-    group = _tiles_per_program(tiles)
+    group = _tiles_per_program(
+        tiles, MAX_TILES_PER_PROGRAM_DENSE if p.dense else MAX_TILES_PER_PROGRAM)
     programs = -(-tiles // group)
     # The rows with the most blocks first, so that the last programs to start are short ones.
     steps = lists[0] + lists[2] if has_full else lists[0]
