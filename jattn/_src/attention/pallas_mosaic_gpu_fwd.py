@@ -1,14 +1,14 @@
 """Flex attention forward kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
 
-Each program takes a few tiles (batch, BlockMask row, query head) in turn, the rows with the
-most blocks first, with three warpgroups. The producer walks each tile's BlockMask lists
-(partial blocks, then full ones) and streams each listed K/V block into a ring of shared-memory
-slots with TMA, running on into the next tile while the consumers finish this one. The two consumers each own
-64 query rows of the 128-row block; they compute S = Q·Kᵀ with wgmma, apply score_mod (and
-mask_mod on partial blocks) to the float32 tile in registers, run the online softmax in base 2
-and accumulate P·V with wgmma, while the next tile's queries load into a second buffer.
-A schedule barrier alternates the consumers, so one's softmax overlaps the other's matmuls
-(FlashAttention-3's ping-pong).
+Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn, the rows
+with the most blocks first, with three warpgroups. The producer walks each tile's BlockMask
+lists (partial blocks, then full ones) and streams each listed K/V block into a ring of
+shared-memory slots with TMA, running on into the next tile while the consumers finish this
+one. The two consumers each own 64 query rows of the tile; they compute S = Q·Kᵀ with wgmma,
+apply score_mod (and mask_mod on partial blocks) to the float32 tile in registers, run the
+online softmax in base 2 and accumulate P·V with wgmma, while the next tile's queries load into
+a second buffer. A schedule barrier alternates the consumers, so one's softmax overlaps the
+other's matmuls (FlashAttention-3's ping-pong).
 """
 
 from __future__ import annotations
