@@ -348,7 +348,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           dense=dense)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
-            mask_set=mask_set, block_mask=block_mask, dense=dense, config=config)
+            mask_set=mask_set, block_mask=block_mask, config=config)
         program = _Program.make(_without_captures(problem))
         if (len(score_set.captures), len(mask_set.captures)) == found:
             program = _PROGRAMS.put(key, program)

@@ -89,12 +89,11 @@ def _tile_signature():
 
 
 def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
-               block_mask: BlockMask, dense: bool, config: AttentionConfig | None) -> Problem:
+               block_mask: BlockMask, config: AttentionConfig | None) -> Problem:
     """p with the Triton backward's config and mods, and the forward's mods traced at the
     Mosaic kernel's register tile (indices as full [64, 128] tiles, b and h scalars)."""
     p = pallas_triton.specialise(p, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
-                                 mask_set=mask_set, block_mask=block_mask, dense=dense,
-                                 config=config)
+                                 mask_set=mask_set, block_mask=block_mask, config=config)
     fwd = trace_mods(score_mod, mask_mod, score_set, mask_set, *_tile_signature(),
                      with_vjp=False)
     # `unsupported` judged the fact cached by the mods' XLA traces; a mod whose reads depend on

@@ -20,7 +20,7 @@ from jattn._src.user_functions import CaptureSet
 
 
 def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
-               block_mask: BlockMask, dense: bool, config: AttentionConfig | None) -> Problem:
+               block_mask: BlockMask, config: AttentionConfig | None) -> Problem:
     """p with this backend's config and mods (p.xla already traced)."""
     resolved = config or heuristic_config(
         p.E, p.mask_block, masked=block_mask.mask_mod is not None,
@@ -36,7 +36,7 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     if p.L <= MAX_DECODE_QUERIES:
         decode = make_problem(
             B=p.B, Hq=p.Hq, Hkv=p.Hkv, Lq=p.L, S=p.S, E=p.E, Ev=p.Ev, kv_batch=p.kv_batch,
-            page_size=None, num_pages=None, block_mask=None if dense else block_mask,
+            page_size=None, num_pages=None, block_mask=None if p.dense else block_mask,
             score_mod=score_mod, mask_mod=mask_mod, score_set=score_set, mask_set=mask_set,
             static_length=True, queries_last=False, scale=p.scale, interpret=p.interpret,
             config=None)
