@@ -176,7 +176,21 @@ def _user_guards() -> list[tuple[str, str]]:
     return sorted(found)
 
 
-def _backend(kind: str, name: str, namespace: dict):
+def _readable(source: str, freevars: tuple[str, ...]) -> str:
+    """A Dynamo source (`L['mod'].__closure__[0].cell_contents`, `G['bias']`) as the name the
+    mod's code uses (`bias`), for errors."""
+    def cell(match):
+        i = int(match.group(1))
+        return freevars[i] if i < len(freevars) else match.group(0)
+
+    source = re.sub(r"L\['mod'\]\.__closure__\[(\d+)\]\.cell_contents", cell, source)
+    source = _GLOBAL.sub(r"\1", source).replace("L['mod'].__self__", "self")
+    source = re.sub(r"\._(?:parameters|buffers|modules)\['([^']+)'\]", r".\1", source)
+    source = re.sub(r"^__import_\w+?\.", "", source)  # a global read through its module
+    return source.replace("L['mod']", "mod")
+
+
+def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...]):
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs):
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         arg_slots: list[int | None] = [None] * ARITY[kind]
@@ -192,6 +206,15 @@ def _backend(kind: str, name: str, namespace: dict):
         output = next(n for n in graph_module.graph.nodes if n.op == "output")
         if len(output.args[0]) != 1:
             raise TypeError(f"{kind}_mod {name} must return one tensor.")
+        result = output.args[0][0]
+        shape = getattr(result.meta.get("example_value"), "shape", ()) if isinstance(
+            result, torch.fx.Node) else ()
+        if tuple(shape) != ():
+            raise TypeError(
+                f"{kind}_mod {name} must return a 0-d tensor, one value for each (b, h, "
+                f"q_idx, kv_idx) it is called with (torch calls a mod on 0-d tensors), but it "
+                f"returns shape {list(shape)}; return a single value (torch.where, not "
+                "torch.stack, to choose between values).")
         core = _translate.lower_to_core_aten(graph_module, example_inputs)
         missing = _translate.untranslatable_ops(core)
         if missing:
@@ -206,7 +229,8 @@ def _backend(kind: str, name: str, namespace: dict):
         scalars = [source for guard, source in guards if guard in _SCALAR_GUARDS]
         checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
         translation = _register(
-            _translate.translate(core, arg_slots, capture_slots), _reader(sources, namespace),
+            _translate.translate(core, arg_slots, capture_slots, name,
+                                 tuple(_readable(source, freevars) for source in sources)), _reader(sources, namespace),
             _reader(scalars, namespace),
             tuple(guard for guard, _ in guards) if checkable else None,
             _reader([source for _, source in guards], namespace) if checkable else None)
@@ -221,11 +245,13 @@ def _backend(kind: str, name: str, namespace: dict):
 class _Trampoline:
     """A compiled trampoline for one mod code object: its own Dynamo cache."""
 
-    def __init__(self, kind: str, name: str):
+    def __init__(self, kind: str, mod):
         body = _trampoline_body.__code__.replace(co_name=f"jattn_{kind}_mod")
         function = types.FunctionType(body, _trampoline_body.__globals__, body.co_name)
-        self.compiled = torch.compile(function, backend=_backend(kind, name, function.__globals__),
-                                      fullgraph=True, dynamic=False)
+        identity = _code_identity(mod)
+        freevars = identity.co_freevars if isinstance(identity, types.CodeType) else ()
+        backend = _backend(kind, _mod_name(mod), function.__globals__, freevars)
+        self.compiled = torch.compile(function, backend=backend, fullgraph=True, dynamic=False)
 
 
 def _code_identity(mod):
@@ -381,7 +407,7 @@ def _capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     with _LOCK:
         trampoline = _TRAMPOLINES.get(identity)
         if trampoline is None:
-            trampoline = _TRAMPOLINES[identity] = _Trampoline(kind, _mod_name(mod))
+            trampoline = _TRAMPOLINES[identity] = _Trampoline(kind, mod)
     result = _call(trampoline, mod, kind, identity)
     if result is None:
         return _jax_translation(mod), ()
@@ -398,7 +424,7 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity):
     except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
         if _is_recompile_limit(error):
             with _LOCK:
-                fresh = _TRAMPOLINES[identity] = _Trampoline(kind, _mod_name(mod))
+                fresh = _TRAMPOLINES[identity] = _Trampoline(kind, mod)
             return _call(fresh, mod, kind, identity)
         if _is_jax_mod(mod, kind):
             _JAX_MODS[identity] = True
@@ -482,7 +508,8 @@ def _jax_translation(mod) -> Translation:
         if known is not None and known[0] is mod:
             _JAX_TRANSLATIONS.move_to_end(id(mod))
             return known[1]
-        translation = _register(_translate.TranslatedMod(lambda captures, *args: mod(*args), 0))
+        translation = _register(_translate.TranslatedMod(lambda captures, *args: mod(*args), 0,
+                                                          _mod_name(mod)))
         _JAX_TRANSLATIONS[id(mod)] = mod, translation
         while len(_JAX_TRANSLATIONS) > _MAX_JAX_MODS:
             _JAX_TRANSLATIONS.popitem(last=False)

@@ -23,7 +23,7 @@ from torch import Tensor
 
 import jattn
 from . import _ops
-from ._dlpack import same_device, to_torch
+from ._dlpack import run, same_device, to_torch
 
 _FN = "flex_decode"
 
@@ -163,9 +163,10 @@ def _decode_forward(q: Tensor, k: Tensor, v: Tensor, page_table: Optional[Tensor
         else:
             S, page_size, num_pages = page_table.shape[1] * k.shape[2], k.shape[2], k.shape[1]
         _check_cpu_lengths(kv_len, page_table, q.shape[0], S, page_size, num_pages)
-    out, lse = _decode(*leading, lists, capture_arrays, mods=mods,
-                       block_size=tuple(block_size), seq_lengths=tuple(seq_lengths), scale=scale,
-                       implementation=_ops.implementation_for(_FN, device, implementation))
+    program = functools.partial(
+        _decode, mods=mods, block_size=tuple(block_size), seq_lengths=tuple(seq_lengths),
+        scale=scale, implementation=_ops.implementation_for(_FN, device, implementation))
+    out, lse = run(program, device, *leading, lists, capture_arrays)
     return to_torch(out, device), to_torch(lse, device)
 
 

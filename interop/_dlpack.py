@@ -114,8 +114,11 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
         raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
     device = tensor.device
+    if device.type == "meta":  # shapes only: the op evaluates abstractly (`run`)
+        return jax.ShapeDtypeStruct(tuple(tensor.shape), DTYPES[narrowed(tensor).dtype])
     if device.type not in _DL_DEVICE_TYPES:
-        raise ValueError(f"`{name}` is on {device}; jattn runs on CPU and CUDA tensors.")
+        raise ValueError(f"`{name}` is on {device}; jattn runs on CPU and CUDA tensors (and "
+                         "infers shapes on meta tensors).")
     # Always a detached alias: a capsule of `tensor` itself would keep its Python object alive
     # (torch preserves it while the C++ tensor is referenced), so the cache would never let go.
     source = narrowed(tensor.detach())
@@ -208,10 +211,28 @@ def wait_for_torch(device: torch.device) -> None:
         raise RuntimeError(f"cuStreamWaitEvent failed with CUDA error {status}.")
 
 
+def run(program, device: torch.device, *args):
+    """program(*args) on the JAX views of tensors on `device`; on meta tensors (views that are
+    shapes) its abstract evaluation: jattn's checks run and the result's shapes come back,
+    as torch ops infer shapes on meta tensors, with nothing computed."""
+    if device.type == "meta":
+        return jax.eval_shape(program, *args)
+    return program(*args)
+
+
+# JAX dtype -> torch dtype, for results (64-bit ints come back as JAX computed them).
+_TORCH_DTYPES = {jnp.dtype(jax_dtype): torch_dtype for torch_dtype, jax_dtype in DTYPES.items()
+                 if torch_dtype not in _WIDENED}
+
+
 def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tensor:
     """A torch tensor on the same device and memory as `array`; on the GPU, work queued later
     on torch's current stream waits for the computation that produces it. device: the array's
-    as a torch device, which the ops pass (reading it from the array costs ~2 us)."""
+    as a torch device, which the ops pass (reading it from the array costs ~2 us). An abstract
+    result (`run` on meta tensors) becomes an empty meta tensor of its shape and dtype."""
+    if isinstance(array, jax.ShapeDtypeStruct):
+        return torch.empty(array.shape, dtype=_TORCH_DTYPES[jnp.dtype(array.dtype)],
+                           device="meta")
     if _export_capsule is None:
         return torch.from_dlpack(array)
     if device is None:
@@ -234,7 +255,7 @@ def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
 def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
               names: Sequence[str]) -> tuple[torch.device, list[jax.Array | None]]:
     """The one device the torch tensors are on (else a clear error) and their JAX views
-    (`to_jax`; JAX arrays and None pass through), in one pass: ops call it on every call.
+    (`to_jax`; JAX arrays, their shapes on meta, and None pass through), in one pass: ops call it on every call.
     names: the tensors' argument names, for errors."""
     first, arrays = None, []
     for tensor, name in zip(tensors, names):
@@ -247,7 +268,7 @@ def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
             if first is not None and tensor.device != first.device:  # before to_jax's errors
                 raise _device_error(fn, tensors, names)
             array, signature = to_jax(tensor, name), _signature(tensor)
-        elif tensor is None or isinstance(tensor, jax.Array):
+        elif tensor is None or isinstance(tensor, (jax.Array, jax.ShapeDtypeStruct)):
             arrays.append(tensor)
             continue
         else:

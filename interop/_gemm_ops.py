@@ -22,7 +22,7 @@ from torch import Tensor
 
 import jattn
 from ._direct import DirectProgram
-from ._dlpack import DTYPES, to_torch
+from ._dlpack import DTYPES, run, to_torch
 from ._ops import implementation_for, needs_autograd, ready_views
 from jattn._src import bridge
 
@@ -143,7 +143,8 @@ def register(spec: GemmOp):
                 if result is not None:
                     return result[0]
         device, arrays = ready_views(spec.name, tensors, names)
-        return to_torch(forward_program(*(options or static(args, device)))(*arrays), device)
+        program = forward_program(*(options or static(args, device)))
+        return to_torch(run(program, device, *arrays), device)
 
     def run_backward(grad, *args) -> list[Tensor]:
         """[a gradient for each tensor of spec.grads that is not None]"""
@@ -151,7 +152,8 @@ def register(spec: GemmOp):
             raise NotImplementedError(spec.no_gradient)
         device, arrays = ready_views(spec.name, (grad, *args[:n]), ("grad", *names))
         options, implementation = static(args, device)
-        grads = vjp_jit(*arrays, options=options, implementation=implementation)
+        grads = run(functools.partial(vjp_jit, options=options, implementation=implementation),
+                    device, *arrays)
         return [to_torch(g, device) for g in grads if g is not None]
 
     def backward_fake(grad, *args):

@@ -34,7 +34,7 @@ from torch import Tensor
 import jattn
 from ._direct import DirectProgram
 from ._capture import capture, lookup
-from ._dlpack import DTYPES, jax_views, narrowed, to_torch, wait_for_torch
+from ._dlpack import DTYPES, jax_views, narrowed, run, to_torch, wait_for_torch
 from ._translate import TranslatedMod
 from jattn._src import bridge
 
@@ -48,6 +48,8 @@ def implementation_for(fn: str, device: torch.device, implementation: Optional[s
     """The jattn implementation of op `fn` for tensors on `device`: jattn's own choice for that
     platform ($JATTN_IMPLEMENTATION included); a named one must run there. facts: what the
     op's implementations judge support by (as jattn's own call of the op passes them)."""
+    if device.type == "meta":  # shapes only: any implementation infers them
+        implementation = None
     return bridge.resolve(fn, implementation, on_cuda=device.type == "cuda", **facts)
 
 
@@ -324,7 +326,7 @@ def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
         kv_only=True)
     options = _flex_static(device, flex_facts(qkv[0], qkv[2], static[0], capture_arrays),
                            *static)
-    out, lse = _flex_program(True, **options)(*qkv, lists, capture_arrays)
+    out, lse = run(_flex_program(True, **options), device, *qkv, lists, capture_arrays)
     return out, lse, device
 
 
@@ -350,12 +352,11 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
     device, leading, lists, capture_arrays = ready_op_views(
         "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
         captures)
-    grads = _flex_backward(*leading, lists, capture_arrays,
-                           **_flex_static(device,
-                                          flex_facts(leading[2], leading[4], mods,
-                                                     capture_arrays),
-                                          mods, block_size, seq_lengths, scale, enable_gqa,
-                                          implementation, config))
+    static = _flex_static(device, flex_facts(leading[2], leading[4], mods, capture_arrays),
+                          mods, block_size, seq_lengths, scale, enable_gqa, implementation,
+                          config)
+    grads = run(functools.partial(_flex_backward, **static), device, *leading, lists,
+                capture_arrays)
     return [to_torch(g, device) for g in grads]
 
 
@@ -532,4 +533,4 @@ def _run_plan(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Seq
     device, arrays = ready_views("flex_attention", (q, k, v, *kv_lists, *captures), plan.names)
     n = 3 + len(kv_lists)
     program = plan.forward_lse if return_lse else plan.forward
-    return program(*arrays[:3], arrays[3:n], arrays[n:]), device, arrays[:3]
+    return run(program, device, *arrays[:3], arrays[3:n], arrays[n:]), device, arrays[:3]

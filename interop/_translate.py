@@ -319,6 +319,41 @@ def _select(x, dim, index):
 
 _STRUCTURAL = {aten.index.Tensor: _index, aten.select.int: _select}
 
+# Reductions, which torch applies to one element when a mod reduces one of its 0-d values
+# (`score.sum()`, `(q_idx >= kv_idx).any()`): the element in the result's dtype, its index 0,
+# or both. Never a reduction over the tile that stands for the scalars.
+_ONE_ELEMENT_VALUE = frozenset({
+    aten.sum.dim_IntList, aten.sum.default, aten.prod.default, aten.prod.dim_int,
+    aten.mean.dim, aten.mean.default, aten.amax.default, aten.amin.default, aten.max.default,
+    aten.min.default, aten.any.default, aten.any.dim, aten.any.dims, aten.all.default,
+    aten.all.dim, aten.cumsum.default})
+_ONE_ELEMENT_INDEX = frozenset({aten.argmax.default, aten.argmin.default})
+_ONE_ELEMENT_PAIR = frozenset({aten.max.dim, aten.min.dim})
+
+
+def _reduces_one_element(node) -> bool:
+    if node.target not in _ONE_ELEMENT_VALUE | _ONE_ELEMENT_INDEX | _ONE_ELEMENT_PAIR:
+        return False
+    source = node.args[0]
+    return isinstance(source, torch.fx.Node) and _own_shape(source) == ()
+
+
+def _one_element_reduction(node, value):
+    """`node`, a reduction of one element (`_reduces_one_element`), of `value`."""
+    def map_array(fn):
+        if isinstance(value, _Batched):
+            return _Batched(fn(value.array))
+        return fn(value)
+
+    def index(x):
+        return jnp.zeros(jnp.shape(x), jnp.int32)
+
+    if node.target in _ONE_ELEMENT_INDEX:
+        return map_array(index)
+    if node.target in _ONE_ELEMENT_PAIR:
+        return map_array(lambda x: x), map_array(index)
+    return map_array(lambda x: _as_traced_dtype(x, node))
+
 
 def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots, *,
                scalar_semantics: bool):
@@ -348,6 +383,9 @@ def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
             args_, kwargs = load(node.args), {k: load(v) for k, v in node.kwargs.items()}
             if node.target is operator.getitem:
                 env[node] = args_[0][args_[1]]
+                continue
+            if _reduces_one_element(node):
+                env[node] = _one_element_reduction(node, args_[0])
                 continue
             if not scalar_semantics and node.target in _STRUCTURAL:
                 env[node] = _STRUCTURAL[node.target](*args_, **kwargs)
@@ -402,10 +440,17 @@ class TranslatedMod:
 
     fn: Callable
     n_captures: int
+    name: str = "mod"
+    capture_names: tuple[str, ...] = ()
 
     def bind(self, arrays: Sequence[jax.Array]) -> Callable:
-        """The JAX mod reading `arrays` (JAX views of the captured tensors) as captured arrays."""
-        return lambda *args: self.fn(arrays, *args)
+        """The JAX mod reading `arrays` (JAX views of the captured tensors) as captured arrays,
+        named as the torch mod, with `captured_arrays`: (name, array) pairs (for errors)."""
+        def bound(*args):
+            return self.fn(arrays, *args)
+        bound.__name__ = bound.__qualname__ = self.name
+        bound.captured_arrays = tuple(zip(self.capture_names, arrays))
+        return bound
 
 
 def lower_to_core_aten(graph_module: torch.fx.GraphModule, example_inputs):
@@ -421,11 +466,13 @@ def untranslatable_ops(core: torch.fx.GraphModule) -> list[str]:
 
 
 def translate(core: torch.fx.GraphModule, arg_slots: Sequence[int | None],
-              capture_slots: Sequence[int]) -> TranslatedMod:
+              capture_slots: Sequence[int], name: str,
+              capture_names: Sequence[str]) -> TranslatedMod:
     """The JAX function of a core-ATen mod graph (checked by `untranslatable_ops` first).
 
     arg_slots[i]: the placeholder index of the mod's argument i, None where the mod does not
-    read it; capture_slots: the placeholder indices of its captured tensors, in order.
+    read it; capture_slots: the placeholder indices of its captured tensors, in order, and
+    capture_names their names in the mod's code; name: the mod's.
     """
     nodes = list(core.graph.nodes)
     constants = {n.target: jnp.asarray(_constant(getattr(core, n.target)))
@@ -448,7 +495,7 @@ def translate(core: torch.fx.GraphModule, arg_slots: Sequence[int | None],
         shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
         return jnp.broadcast_to(out, shape)
 
-    return TranslatedMod(fn, len(capture_slots))
+    return TranslatedMod(fn, len(capture_slots), name, tuple(capture_names))
 
 
 def _constant(tensor: torch.Tensor) -> np.ndarray:

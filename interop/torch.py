@@ -453,14 +453,20 @@ def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
     platform = "cuda" if device.type == "cuda" else "cpu"
     block_size = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
     _check_block_size(block_size, "create_block_mask")
-    jax_mask_mod = mask_mod
+    bind, captures = (lambda arrays: mask_mod), []
     if callable(mask_mod):
         translation, tensors = capture(mask_mod, "mask")
         _dlpack.wait_for_torch(device)
-        jax_mask_mod = translation.mod.bind(
-            [_dlpack.to_jax(t.to(device), "captured tensor") for t in tensors])
-    with jax.default_device(jax.devices(platform)[device.index or 0]):
-        mask = jattn.create_block_mask(jax_mask_mod, B, H, Q_LEN, KV_LEN, block_size=block_size)
+        bind = translation.mod.bind
+        captures = [_dlpack.to_jax(t.to(device), "captured tensor") for t in tensors]
+
+    def build(*arrays):
+        return jattn.create_block_mask(bind(arrays), B, H, Q_LEN, KV_LEN, block_size=block_size)
+    # On meta tensors the mask's lists are shapes: the builder runs abstractly (its checks
+    # included), as torch's does on meta.
+    with jax.default_device(jax.devices(platform)[0 if device.type == "meta" else
+                                                  device.index or 0]):
+        mask = _dlpack.run(build, device, *captures)
     lists = [None if x is None else _dlpack.to_torch(x, device) for x in (
         mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
         mask.q_num_blocks, mask.q_indices, mask.full_q_num_blocks, mask.full_q_indices)]

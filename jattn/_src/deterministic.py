@@ -47,7 +47,7 @@ def scatter_add(operand, indices, updates, **params):
     return jnp.where(finite.all(), result, jnp.nan).astype(operand.dtype)
 
 
-def _integer_scatter_add(primitive, operands, params):
+def _integer_scatter_add(primitive, operands, params, out_avals):
     """The rewrite of `jaxpr_eval.evaluate` that sums float scatter-adds in integers."""
     if primitive is not lax.scatter_add_p or not jnp.issubdtype(operands[0].dtype,
                                                                  jnp.floating):

@@ -21,8 +21,8 @@ from jax.extend import core as jex_core
 
 from jattn._src.mesh_axes import aligned, varying_axes
 
-# (primitive, operands, params) -> outputs, or None to bind as usual.
-Rewrite = Callable[[Any, list[Any], dict[str, Any]], "list[Any] | None"]
+# (primitive, operands, params, the outputs' traced avals) -> outputs, or None to bind as usual.
+Rewrite = Callable[[Any, list[Any], dict[str, Any], list[Any]], "list[Any] | None"]
 
 
 class Deferred:
@@ -35,6 +35,14 @@ def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
     """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
     the consts beside `.jaxpr`."""
     return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+
+
+def with_consts(closed: Any, consts: Sequence[Any]) -> Any:
+    """The traced function with other constants (values of the same types, or Deferred)."""
+    # jax 0.11 merged ClosedJaxpr into Jaxpr and added `with_consts`; 0.10 has `replace`.
+    if hasattr(closed, "with_consts"):
+        return closed.with_consts(list(consts))
+    return closed.replace(consts=list(consts))
 
 
 def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[Any]:
@@ -65,7 +73,8 @@ def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[An
         varying = not deferred and any(varying_axes(x) for x in operands)
         if varying:
             operands = aligned(*operands)
-        outputs = None if rewrite is None else rewrite(eqn.primitive, operands, params)
+        outputs = None if rewrite is None else rewrite(
+            eqn.primitive, operands, params, [var.aval for var in eqn.outvars])
         if outputs is None and eqn.primitive.name in ("pjit", "jit"):
             outputs = evaluate(params["jaxpr"], *operands, rewrite=rewrite)
         elif (outputs is None and eqn.primitive.name == "custom_jvp_call"

@@ -15,14 +15,7 @@ from typing import Any
 
 import jax
 
-from jattn._src.jaxpr_eval import Rewrite, evaluate, jaxpr_and_consts
-
-
-def _with_consts(closed: Any, consts: Sequence[Any]) -> Any:
-    # jax 0.11 merged ClosedJaxpr into Jaxpr and added `with_consts`; 0.10 has `replace`.
-    if hasattr(closed, "with_consts"):
-        return closed.with_consts(list(consts))
-    return closed.replace(consts=list(consts))
+from jattn._src.jaxpr_eval import Rewrite, evaluate, jaxpr_and_consts, with_consts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: usable as a static option
@@ -51,14 +44,14 @@ class TracedFunction:
         """This function holding no captured arrays (a cached program must not keep a call's
         arrays, or tracers, alive): they come from each call's capture list anyway."""
         n = len(self.capture_slots)
-        return TracedFunction(_with_consts(self.closed_jaxpr, [None] * n), self.capture_slots)
+        return TracedFunction(with_consts(self.closed_jaxpr, [None] * n), self.capture_slots)
 
     def __call__(self, captures: Sequence[Any], *args: Any, rewrite: Rewrite | None = None
                  ) -> list[Any]:
         """The outputs at `args`, reading `captures` (the shared capture list); `rewrite`:
         as jaxpr_eval.evaluate's."""
         consts = [captures[slot] for slot in self.capture_slots]
-        return evaluate(_with_consts(self.closed_jaxpr, consts), *args, rewrite=rewrite)
+        return evaluate(with_consts(self.closed_jaxpr, consts), *args, rewrite=rewrite)
 
 
 class CaptureSet:

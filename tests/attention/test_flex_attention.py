@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn._src import hardware
 from jattn._src.attention.reference import attention_reference
 from tests.attention.golden import check_against_golden
 from tests.helpers import (COMPILED_IMPLEMENTATIONS, IMPLEMENTATIONS, assert_bitwise_equal_runs,
@@ -282,6 +283,107 @@ def test_gqa_needs_opt_in_and_dtypes_must_match():
         jattn.flex_attention(q, k.astype(jnp.bfloat16), v, implementation="xla")
     with pytest.raises(TypeError, match="`q` has dtype int32"):
         jattn.flex_attention(q.astype(jnp.int32), k, v, implementation="xla")
+
+
+@pytest.mark.parametrize("scale,error,match", [
+    ("a", TypeError, "`scale` must be a Python float .* got str 'a'"),
+    (1e30, ValueError, r"`scale` must be finite with \|scale\| <= 2\*\*20"),
+    (float("inf"), ValueError, "must be finite"),
+])
+def test_bad_scales_raise(scale, error, match):
+    with pytest.raises(error, match=match):
+        jattn.flex_attention(*_qkv(), scale=scale, enable_gqa=True, implementation="xla")
+    with pytest.raises(error, match=match.replace("flex_attention", "flex_decode")):
+        q, k, v = _qkv()
+        jattn.flex_decode(q[:, :, :1], k, v, scale=scale, implementation="xla")
+
+
+def test_a_traced_scale_points_to_a_score_mod():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="traced value.*put a learnable or per-call scale into "
+                                        "a score_mod"):
+        jax.jit(lambda s: jattn.flex_attention(q, k, v, scale=s, enable_gqa=True))(0.5)
+    # concrete scalars of any kind are floats
+    for scale in (np.float32(0.5), jnp.float32(0.5), 1):
+        jattn.flex_attention(q, k, v, scale=scale, enable_gqa=True, implementation="xla")
+
+
+@pytest.mark.parametrize("block_size,error", [(16.0, TypeError), ((16, "a"), TypeError),
+                                              ("16", TypeError), ((16, 16, 16), ValueError),
+                                              (8, ValueError)])
+def test_bad_block_sizes_name_the_argument(block_size, error):
+    with pytest.raises(error, match="`block_size` must be an int"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64,
+                                block_size=block_size)
+
+
+@pytest.mark.parametrize("impl,dtype", [
+    ("xla", jnp.float32), ("interpret", jnp.float32),
+    pytest.param("pallas_triton", jnp.float32, marks=pytest.mark.gpu),
+    pytest.param("pallas_mosaic_gpu", jnp.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("scale", [2.0 ** 20, -(2.0 ** 20)])
+def test_the_largest_scale_gives_finite_results(impl, dtype, scale):
+    """Scores of 1e7 and more: float32 scores with fused multiply-adds in the softmax (XLA's
+    fusions, the kernels) stay finite and match the float64 softmax, which is one-hot there."""
+    if impl == "pallas_mosaic_gpu" and not hardware.is_hopper():
+        pytest.skip("the Mosaic GPU forward runs on Hopper")
+    rng = np.random.default_rng(3)
+    length = 96 if impl in ("xla", "interpret") else 256  # the GPU kernels' whole tiles
+    q, k, v = (random(rng, (1, 2, length, 64), dtype) for _ in range(3))
+
+    def attend(q, k, v):
+        # full float32 products: at these scales TF32's rounding would pick other maxima
+        return jattn.flex_attention(q, k, v, scale=scale, implementation=impl,
+                                    precision="highest")
+
+    out = attend(q, k, v)
+    gold = golden(lambda *x: attention_reference(*x, scale=scale)[0], q, k, v)
+    if dtype == jnp.float32:
+        assert_close(out, gold, attention_reference(q, k, v, scale=scale)[0])
+    else:
+        # The one-hot reference is exact in bf16; the kernel's fused exponent puts the winning
+        # probability near 1, not at 1, rounded to bf16 for P·V but not in the row sum: one
+        # bf16 ulp of the output.
+        error = np.abs(np.asarray(out, np.float64) - gold).max()
+        assert error <= float(jnp.finfo(dtype).eps) * np.abs(gold).max(), error
+    grads = jax.grad(lambda *x: jnp.sum(attend(*x) * v), argnums=(0, 1, 2))(q, k, v)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+
+def test_low_precision_capture_gradients_follow_the_rounded_output():
+    """A captured array's gradient in bf16 sums dS over many scores, so the row sum Δ = Σ dO·O
+    (computed from the output rounded to bf16, as torch's and FlashAttention's backwards do)
+    dominates its error: it is the error of the float64 gradient with Δ from the rounded
+    output, not a defect. A per-(b, h) bias has gradient 0 exactly (softmax ignores a constant
+    per row), so the error is all there is."""
+    rng = np.random.default_rng(6)
+    q, k, v, d_out = (random(rng, (2, 2, 16, 32)) for _ in range(4))
+    bias = jnp.zeros((2, 2))
+
+    def mod_of(c):
+        return lambda s, b, h, q_idx, kv_idx: s + c[b, h]
+
+    ours = jax.grad(lambda c: jnp.sum(jattn.flex_attention(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)), mod_of(c),
+        implementation="xla").astype(jnp.float32) * d_out))(bias)
+
+    def gradient_with_delta_from(round_output):
+        with jax.enable_x64(True):
+            q64, k64, v64 = (x.astype(jnp.bfloat16).astype(jnp.float64) for x in (q, k, v))
+            s = jnp.einsum("bhle,bhse->bhls", q64, k64) / np.sqrt(32)
+            p = jax.nn.softmax(s, axis=-1)
+            out = jnp.einsum("bhls,bhse->bhle", p, v64)
+            if round_output:
+                out = out.astype(jnp.bfloat16).astype(jnp.float64)
+            delta = jnp.sum(out * d_out, axis=-1, keepdims=True)
+            d_s = p * (jnp.einsum("bhle,bhse->bhls", d_out.astype(jnp.float64), v64) - delta)
+            return np.asarray(d_s.sum(axis=(-2, -1)))
+
+    exact = gradient_with_delta_from(round_output=False)
+    assert np.abs(exact).max() < 1e-12
+    rounded_error = np.abs(gradient_with_delta_from(round_output=True) - exact).max()
+    error = np.abs(np.asarray(ours, np.float64) - exact).max()
+    assert rounded_error > 1e-3 and error <= 3 * rounded_error, (error, rounded_error)
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])

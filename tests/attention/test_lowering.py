@@ -24,7 +24,7 @@ def test_forward_and_backward_lower(as_if_on_gpu, E, Ev, ragged):
     B, Hq, Hkv = 2, 8, 2
     L, S = (1000, 1030) if ragged else (1024, 1024)
     table = jnp.zeros((Hq, 255))                 # not a power of two: read element-wise
-    segments = jnp.zeros((L,), jnp.int32)
+    segments = jnp.zeros((max(L, S),), jnp.int32)  # an id for every query and key
     mask = jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(segments))
     block_mask = jattn.create_block_mask(mask, None, None, L, S)
 

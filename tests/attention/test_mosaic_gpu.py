@@ -141,11 +141,6 @@ UNREADABLE = {
                        r"mask_mod reads a captured int32\[2,4096\] array whole"),
     "bias[q_idx + 1]": (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[q_idx + 1], None,
                         r"float32\[8192\] array through a gather at an offset .* multiple of 8"),
-    "ids[q_idx + 1]": (None, lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx + 1] == 0,
-                       r"at positions 1 to 4096, beyond its last dimension of 4096"),
-    "bias[kv_idx + 4104]": (
-        lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 4104], None,
-        r"at positions 4104 to 8199, beyond its last dimension of 8192"),
     "an array built in the mod": (
         lambda s, b, h, q_idx, kv_idx: s + jnp.arange(4096.0)[q_idx], None,
         r"score_mod reads q_idx or kv_idx as an index vector \(64, 128, 1\) \(in `gather`\)"),
@@ -208,6 +203,15 @@ def test_other_captured_reads_fall_back_with_the_reason(as_if_on_hopper, name):
     assert re.search(reason, str(seen))
     with pytest.raises(ValueError, match=f"pallas_mosaic_gpu.*{reason}.*pallas_triton's read"):
         _resolved(score_mod, mask_mod, implementation=MOSAIC)
+
+
+@pytest.mark.parametrize("score_mod,mask_mod,reach", [
+    (None, lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx + 1] == 0, "4096"),
+    (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 4104], None, "8199")])
+def test_reads_past_an_arrays_end_raise_before_any_choice(as_if_on_hopper, score_mod, mask_mod,
+                                                         reach):
+    with pytest.raises(ValueError, match=f"which reaches {reach} in this call"):
+        _resolved(score_mod, mask_mod)
 
 
 def _spec(*shape, dtype=jnp.bfloat16):

@@ -72,8 +72,9 @@ def test_bad_tensors_raise():
         _dlpack.to_jax(torch.zeros(4, dtype=torch.float64), "q")
     with pytest.raises(TypeError, match="`k` must be a torch.Tensor, got ndarray"):
         _dlpack.to_jax(np.zeros(4), "k")
-    with pytest.raises(ValueError, match="`v` is on meta"):
-        _dlpack.to_jax(torch.zeros(4, device="meta"), "v")
+    # meta tensors cross as their shapes (ops then evaluate abstractly)
+    assert _dlpack.to_jax(torch.zeros(4, device="meta"), "v") == jax.ShapeDtypeStruct(
+        (4,), jnp.float32)
     with pytest.raises(ValueError, match="all tensors must be on one device, got a on cpu, "
                                          "b on meta"):
         _dlpack.same_device("matmul", a=torch.zeros(1), b=torch.zeros(1, device="meta"))

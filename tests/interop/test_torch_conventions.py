@@ -139,6 +139,35 @@ def test_float64_inputs_give_float64_outputs():
     _close(out, expected, 1e-5)  # computed in float32 (README)
 
 
+def test_meta_tensors_give_meta_results_as_torchs_ops_do():
+    """Shape inference on meta tensors (how torch users size a model): every op returns meta
+    tensors of the right shape and dtype, its checks included, and gradients flow."""
+    q, k, v = (x.to("meta").requires_grad_() for x in _qkv(torch.bfloat16))
+    mask = jt.create_block_mask(_causal, B, None, L, L, "meta", 32)
+    assert mask.kv_indices.device.type == "meta" and mask.kv_indices.shape == (B, 1, 3, 3)
+    assert mask.full_q_indices.device.type == "meta"
+    out, lse = jt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (qi - ki) * 0.1, mask,
+                                 enable_gqa=True, return_lse=True)
+    assert (out.device.type, out.shape, out.dtype) == ("meta", (B, HQ, L, E), torch.bfloat16)
+    assert (lse.shape, lse.dtype) == ((B, HQ, L), torch.float32)
+    out.sum().backward()
+    assert q.grad.device.type == "meta" and k.grad.shape == k.shape
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        jt.flex_attention(q, k, v)
+    with torch.no_grad():
+        decoded = jt.flex_decode(q[:, :, :1], k, v)
+    assert decoded.device.type == "meta" and decoded.shape == (B, HQ, 1, E)
+    product = jt.matmul(q[0, 0], torch.empty(E, 8, device="meta", dtype=torch.bfloat16))
+    assert product.device.type == "meta" and product.shape == (L, 8)
+    with pytest.raises(ValueError, match="inner dimensions differ"):
+        jt.matmul(q[0, 0], q[0, 0])
+
+
+def test_a_scale_that_is_not_a_float_names_the_argument():
+    with pytest.raises(TypeError, match="`scale` must be a Python float"):
+        jt.flex_attention(*_qkv(), scale="a", enable_gqa=True)
+
+
 def test_the_output_follows_the_querys_stride_order():
     q = torch.randn(B, L, HQ, E, generator=GEN).transpose(1, 2)  # [B, H, L, E] over BLHE
     k, v = (torch.randn(B, L, HKV, E, generator=GEN).transpose(1, 2) for _ in range(2))

@@ -295,6 +295,10 @@ SCORE_MODS = {
     "partial": functools.partial(_partial_bias, table=HEAD * 2),
     "module": _Alibi(),
     "bound_method": _Alibi().forward,
+    # torch calls a mod on 0-d tensors: a reduction reduces one element
+    "sum_of_one": lambda s, b, h, q, kv: s.sum(),
+    "reductions_of_one": lambda s, b, h, q, kv: s.mean() + s.amax() * 0.5 + (q - kv).sum() * 0.01,
+    "indices_of_one": lambda s, b, h, q, kv: s.max(0)[0] + s.argmax() + s.min(dim=0).indices,
 }
 
 MASK_MODS = {
@@ -307,6 +311,7 @@ MASK_MODS = {
     "natten_like": lambda b, h, q, kv: ((q // 8 - kv // 8).abs() <= 2) & (
         (q % 8 - kv % 8).abs() <= 3),
     "not": lambda b, h, q, kv: ~(kv > q),
+    "reduction of one element": lambda b, h, q, kv: (q >= kv).any() & (q - kv <= 40).all(),
 }
 
 
@@ -358,6 +363,29 @@ def test_a_mod_with_the_wrong_parameters_says_so():
         jt.flex_attention(*_qkv(), lambda s, b: s)
     with pytest.raises(TypeError, match=r"mask_mod .* must take 4 arguments"):
         jt.create_block_mask(lambda b, h, q: q > 0, None, None, L, L, "cpu")
+
+
+def test_a_result_that_is_not_one_value_names_the_mod_and_its_shape():
+    def stacked(score, b, h, q_idx, kv_idx):
+        return torch.stack([score, score])
+
+    with pytest.raises(TypeError, match=r"score_mod .*stacked must return a 0-d tensor.*returns "
+                                        r"shape \[2\]"):
+        jt.flex_attention(*_qkv(), stacked)
+
+
+def test_a_read_past_a_captured_tensors_end_names_it():
+    short = torch.zeros(H - 1)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + short[h]
+
+    with pytest.raises(ValueError, match=r"score_mod .*head_bias reads `short`, a float32\[3\] "
+                                         r"array, along axis 0 at the index h, which reaches 3"):
+        jt.flex_attention(*_qkv(), head_bias)
+    docs = torch.zeros(L // 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"mask_mod .* reads `docs`, an int32\[40\]"):
+        jt.create_block_mask(lambda b, h, q, kv: docs[q] == docs[kv], None, None, L, L, "cpu")
 
 
 def test_an_untranslatable_op_names_itself_and_the_mod():

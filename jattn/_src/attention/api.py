@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jattn._src import backends, hardware, precision
+from jattn._src import backends, hardware, index_bounds, precision
 from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
-from jattn._src.attention.common import (Problem, checked_mask_mod, checked_score_mod,
-                                         trace_mods, without_captures)
+from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_mod,
+                                         checked_score_mod, trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
 from jattn._src.mesh_axes import summed_to_vary_like, varying_axes
@@ -204,10 +204,12 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         reads kv head h // (Hq // Hkv). Any L, S, E, Ev (ragged tiles are masked).
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on float32 scores (after scale) and
         broadcastable int32 indices; arrays it closes over become kernel inputs and get gradients.
+        An index into such an array that certainly leaves it raises ValueError (docs/attention.md).
       block_mask: from `jattn.create_block_mask` / `BlockMask.from_kv_blocks`, built for (L, S);
         partial blocks apply its mask_mod, full blocks skip it, other blocks are never visited.
         None attends everywhere.
-      scale: score scale, default 1/sqrt(E). return_lse: also return the natural-log LSE.
+      scale: score scale, a Python float with |scale| <= 2**20 (a learnable one belongs in
+        score_mod), default 1/sqrt(E). return_lse: also return the natural-log LSE.
       config: an AttentionConfig for the kernels (None: heuristic; the XLA implementation has
         no tunables and ignores it). implementation: "pallas_mosaic_gpu", "pallas_triton",
         "xla" or "interpret" (default: $JATTN_IMPLEMENTATION, else by platform and call; see
@@ -316,9 +318,10 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     dense = block_mask is None
     if dense:
         block_mask = _full_block_mask(L, S)
-    scale = float(E ** -0.5 if scale is None else scale)
+    scale = canonical_scale(_OP, scale, E)
     precision_name = precision.canonical(_OP, precision_name)
 
+    user_mods = (score_mod, block_mask.mask_mod)
     score_mod = None if score_mod is None else checked_score_mod(score_mod, _OP, (B, Hq, L, S))
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod,
                                                                          _OP)
@@ -328,6 +331,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           with_vjp=False)
     # The traces' texts, which key the program (computed once: each is a jaxpr printed).
     mod_keys = tuple(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask))
+    index_bounds.check_mods(_OP, zip(("score_mod", "mask_mod"), user_mods, mod_keys),
+                            dict(b=B, h=Hq, q_idx=L, kv_idx=S))
     lists = block_mask.lists()
     implementation = backends.resolve(
         _OP, implementation, dtype=q.dtype, head_dim=E, value_dim=Ev, seq_lengths=(L, S),

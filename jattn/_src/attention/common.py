@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,40 @@ class Problem:
     def interpret(self) -> bool:
         """The kernels run in the Pallas interpreter."""
         return self.implementation.backend.interpret
+
+
+# Scores are float32 and the softmax's exponent is computed with fused multiply-adds, which
+# round differently from the scores' own product: |scale| above 2**20 leaves an ordinary q·k
+# (~10**3) too few float32 bits for the softmax to stay finite.
+MAX_SCALE = float(2 ** 20)
+
+
+def canonical_scale(fn: str, scale: Any, head_dim: int) -> float:
+    """The score scale of a call as a Python float (1/sqrt(head_dim) for None), with clear
+    errors for what cannot be one: the scale is a static part of the compiled program."""
+    if scale is None:
+        return float(head_dim ** -0.5)
+    bad_type = TypeError(f"{fn}: `scale` must be a Python float (or None for 1/sqrt(head "
+                         f"dim)), got {type(scale).__name__} {scale!r}.")
+    if isinstance(scale, (str, bytes, bool)) or not hasattr(scale, "__float__"):
+        raise bad_type
+    try:
+        value = float(scale)
+    except jax.errors.ConcretizationTypeError:
+        raise TypeError(
+            f"{fn}: `scale` must be a Python float, but a traced value was given (under "
+            "jax.jit, grad or vmap): the scale is compiled into the kernels. Pass a float, or "
+            "put a learnable or per-call scale into a score_mod, "
+            "`lambda score, b, h, q_idx, kv_idx: score * my_scale`, with scale=1.0."
+        ) from None
+    except (TypeError, ValueError):
+        raise bad_type from None
+    if not math.isfinite(value) or abs(value) > MAX_SCALE:
+        raise ValueError(
+            f"{fn}: `scale` must be finite with |scale| <= 2**20 ({MAX_SCALE:.0f}), got "
+            f"{value!r}: scores are float32, and beyond that an ordinary q·k leaves the softmax"
+            " too few bits to stay finite. Scale q (or k) down instead.")
+    return value
 
 
 def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,

@@ -372,7 +372,7 @@ def _structural(name: str, operands: Sequence[Any], params) -> Any:
     return None
 
 
-def _rewrite(env: _Kernel, primitive, operands, params) -> list[Any] | None:
+def _rewrite(env: _Kernel, primitive, operands, params, out_avals) -> list[Any] | None:
     """jaxpr_eval's rewrite for mods in the kernel (see the module docstring)."""
     name = primitive.name
     if name in _NESTED:

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src import backends
+from jattn._src import backends, index_bounds
 from jattn._src.attention import pallas_triton_split_kv
-from jattn._src.attention.common import checked_mask_mod, checked_score_mod, without_captures
+from jattn._src.attention.common import (canonical_scale, checked_mask_mod, checked_score_mod,
+                                         without_captures)
 from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, DecodeProblem, make_problem
 from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding import xla
@@ -242,10 +243,16 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         _check_block_mask(block_mask, B, Hq, S)
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
-    scale = float(E ** -0.5 if scale is None else scale)
+    scale = canonical_scale(_OP, scale, E)
     precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
+    # Query positions: kv_len - Lq + i (negative ones attend to nothing).
+    positions = (S - Lq, S - 1) if static_length else (0, S - 1)
+    index_bounds.check_mods(
+        _OP, [("score_mod", score_mod, None),
+              ("mask_mod", None if block_mask is None else block_mask.mask_mod, None)],
+        dict(b=B, h=Hq, q_idx=(max(positions[0], 0), positions[1]), kv_idx=S))
     if score_mod is not None:
         score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
 

@@ -257,9 +257,17 @@ jax.tree_util.register_dataclass(
 
 
 def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:
-    pair = (value, value) if isinstance(value, (int, np.integer)) else tuple(value)
-    if len(pair) != 2 or not all(isinstance(v, (int, np.integer)) and v >= minimum
-                                 for v in pair):
+    def is_int(v):
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+    try:
+        pair = (value, value) if is_int(value) else tuple(value)
+    except TypeError:
+        pair = ()
+    if isinstance(value, (str, bytes)) or not pair or not all(is_int(v) for v in pair):
+        raise TypeError(f"`{name}` must be an int or a pair of ints (e.g. 128 or (128, 64)), "
+                        f"got {type(value).__name__} {value!r}.")
+    if len(pair) != 2 or min(pair) < minimum:
         raise ValueError(f"`{name}` must be an int >= {minimum} or a pair of them, got {value!r}.")
     return int(pair[0]), int(pair[1])
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jattn._src import index_bounds
 from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair, check_block_size
 from jattn._src.mod_errors import MASK_PARAMETERS, check_parameters, traced_values_explained
 from jattn._src.tiling import cdiv
@@ -47,6 +48,8 @@ def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: 
            block_kv: int) -> BlockMask:
     """Counts the attending pairs of every block, a few query-block rows per step, then lists
     the partial (some pairs) and full (all pairs) blocks."""
+    index_bounds.check_reads("create_block_mask", "mask_mod", mask_mod,
+                             dict(b=B, h=H, q_idx=q_len, kv_idx=kv_len))
     n_q, n_kv = cdiv(q_len, block_q), cdiv(kv_len, block_kv)
     rows = max(1, min(n_q, _chunk_elements() // (B * H * block_q * n_kv * block_kv)))
     b, h = _index_grids(B, H)

@@ -94,9 +94,9 @@ def document_mask(segment_ids: jax.Array) -> MaskMod:
     """Attention only within a document: segment_ids [L] (shared) or [B, L] (per batch).
 
     Args:
-      segment_ids: integer array [L] or [B, L], L >= Q_LEN and KV_LEN: the document of each
-        position; a query attends to keys with the same id. Closed over, so it becomes a
-        kernel input.
+      segment_ids: integer array [L] or [B, L], L >= Q_LEN and KV_LEN (a shorter one raises
+        ValueError when the mask is built or applied): the document of each position; a query
+        attends to keys with the same id. Closed over, so it becomes a kernel input.
 
     Returns:
       A mask_mod `f(b, h, q_idx, kv_idx) -> bool` on int32 indices (as `causal_mask`).
