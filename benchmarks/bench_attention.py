@@ -254,7 +254,7 @@ def bench_block_mask(L: int) -> dict:
     import torch
     from torch.nn.attention import flex_attention as tflex
 
-    from jattn._src.masks.create import _build
+    from jattn._src.masks.create import builder
     from jattn._src.tuning.autotune import median_seconds
 
     start = time.perf_counter()
@@ -262,7 +262,8 @@ def bench_block_mask(L: int) -> dict:
     first = time.perf_counter() - start
     ours = median_seconds(lambda: jattn.create_block_mask(jattn.masks.causal_mask, None, None,
                                                           L, L).kv_indices, calls=3)
-    compiled = _build.lower(jattn.masks.causal_mask, 1, 1, L, L, 128, 128).compile()
+    program, arrays = builder(jattn.masks.causal_mask, 1, 1, L, L, (128, 128))
+    compiled = program.lower(arrays).compile()
     working = compiled.memory_analysis().temp_size_in_bytes
     causal = lambda b, h, q, kv: q >= kv  # noqa: E731
     torch.cuda.reset_peak_memory_stats()

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import torch
 from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
+from jattn._src import bridge
 from . import _translate
 
 ARITY = {"score": 5, "mask": 4}
@@ -489,6 +490,14 @@ def _is_jax_mod(mod, kind: str) -> bool:
     return isinstance(out, jax.ShapeDtypeStruct)
 
 
+def _clear() -> None:
+    """Forgets every translation, trampoline and replayed guard (jattn.clear_caches)."""
+    with _LOCK:
+        for cache in (_TRANSLATIONS, _TRAMPOLINES, _JAX_MODS, _FAST_GUARDS, _JAX_TRANSLATIONS):
+            cache.clear()
+        _argument_translation.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)  # one per argument position
 def _argument_translation(position: int) -> Translation:
     """The translation of a mod that returns its argument at `position` unchanged."""
@@ -514,3 +523,6 @@ def _jax_translation(mod) -> Translation:
         while len(_JAX_TRANSLATIONS) > _MAX_JAX_MODS:
             _JAX_TRANSLATIONS.popitem(last=False)
         return translation
+
+
+bridge.register_cache("torch.translations", _clear)

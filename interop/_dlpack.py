@@ -25,6 +25,7 @@ not be part of the key.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import threading
@@ -37,6 +38,8 @@ import jax.numpy as jnp
 import torch
 import torch.utils.dlpack
 from jax.experimental.buffer_callback import buffer_callback
+
+from jattn._src import bridge
 
 try:  # the call `jax.dlpack.from_dlpack` wraps, without its per-tensor host synchronisation
     from jax._src.lib import _jax as _jaxlib
@@ -52,6 +55,7 @@ DTYPES = {
     torch.bfloat16: jnp.bfloat16,
     torch.float16: jnp.float16,
     torch.float32: jnp.float32,
+    torch.float64: jnp.float64,  # flex_attention on the CPU, in JAX's x64 mode (`x64_scope`)
     torch.int8: jnp.int8,  # mixed_matmul's int8 weights
     torch.uint8: jnp.uint8,  # its packed int4 weights
     torch.int32: jnp.int32,
@@ -61,13 +65,16 @@ DTYPES = {
     torch.float8_e5m2: jnp.float8_e5m2,
 }
 
-_WIDENED = (torch.int64,)  # the dtypes of DTYPES that JAX narrows without x64
+_WIDENED = (torch.int64, torch.float64)  # the dtypes of DTYPES that JAX narrows without x64
 _XLA_GPU_ALIGNMENT = 16  # bytes; "Address of buffer 1 must be a multiple of 10" (hex) otherwise
 
 # id(tensor) -> ((address, shape, dtype), view, weak reference whose callback drops the entry
 # when its tensor dies). (Not a WeakKeyDictionary: its key comparisons would call torch's
 # elementwise ==; not weakref.finalize: ~10 us per new tensor, a weakref with a callback ~0.5.)
 _VIEWS: dict[int, tuple] = {}
+
+
+bridge.register_cache("torch.views", _VIEWS.clear)
 
 
 @functools.cache  # on every import: look the device up once
@@ -110,9 +117,12 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
         return cached[1]  # validated when cached
     if not isinstance(tensor, torch.Tensor):
         raise _not_a_tensor(name, tensor)
-    if tensor.dtype not in DTYPES:
-        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-        raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported}.")
+    if tensor.dtype not in DTYPES or (tensor.dtype == torch.float64
+                                      and not jax.config.jax_enable_x64):
+        supported = ", ".join(str(d).removeprefix("torch.") for d in DTYPES
+                              if d != torch.float64)
+        raise TypeError(f"`{name}` has dtype {tensor.dtype}; supported: {supported} (and "
+                        "float64 for flex_attention).")
     device = tensor.device
     if device.type == "meta":  # shapes only: the op evaluates abstractly (`run`)
         return jax.ShapeDtypeStruct(tuple(tensor.shape), DTYPES[narrowed(tensor).dtype])
@@ -127,7 +137,8 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
     elif device.type == "cuda" and source.data_ptr() % _XLA_GPU_ALIGNMENT:
         source = source.clone()  # XLA's GPU runtime rejects the buffer at run time
     array = _import(source, device)
-    if array.unsafe_buffer_pointer() == tensor.data_ptr():  # a view, not a copy: reusable
+    # A view, not a copy, is reusable; except a 64-bit one: it is a view only in x64 mode.
+    if array.unsafe_buffer_pointer() == tensor.data_ptr() and tensor.dtype not in _WIDENED:
         key = id(tensor)
         _VIEWS[key] = (_signature(tensor), array, weakref.ref(tensor, _forget(key)))
     return array
@@ -136,9 +147,17 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 def narrowed(tensor: torch.Tensor) -> torch.Tensor:
     """int64 as int32 unless JAX runs with x64 (its default integer is 32-bit), converted by
     torch: a torch kernel costs a few microseconds, JAX's eager conversion ~0.2 ms (H100)."""
-    if tensor.dtype in _WIDENED and not jax.config.jax_enable_x64:
+    if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
         return tensor.to(torch.int32)
     return tensor
+
+
+def x64_scope(*tensors):
+    """JAX's x64 mode where a tensor is float64 (flex_attention computes it in float64 on the
+    xla implementation), else no change."""
+    if any(getattr(t, "dtype", None) in (torch.float64, jnp.float64) for t in tensors):
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
 
 
 def _signature(tensor: torch.Tensor) -> tuple:

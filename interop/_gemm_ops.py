@@ -101,7 +101,7 @@ def register(spec: GemmOp):
         return {**dict(zip(names, arrays)), **dict(zip(option_names, options)),
                 "implementation": implementation}
 
-    @functools.cache
+    @functools.lru_cache(maxsize=64)
     def forward_program(options, implementation) -> Callable[..., jax.Array]:
         """The jitted forward for one set of options: bound, as dispatching static arguments
         on every call costs more."""
@@ -123,7 +123,7 @@ def register(spec: GemmOp):
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
         return options, implementation_for(spec.name, device, args[-1])
 
-    @functools.cache
+    @functools.lru_cache(maxsize=64)
     def direct_program(options, implementation, present: tuple[bool, ...]) -> DirectProgram:
         """The forward as a DirectProgram on the tensors that are not None (present: which
         of the op's tensor arguments are)."""
@@ -197,6 +197,8 @@ def register(spec: GemmOp):
             return input_grads(tensors, run_backward(grad, *tensors, *ctx.options))
 
     _EAGER[spec.name] = Eager.apply, run_forward
+    for cache in (forward_program, direct_program):
+        bridge.register_cache(f"torch.{spec.name}.{cache.__name__}", cache.cache_clear)
     return op, backward_op
 
 

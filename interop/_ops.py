@@ -34,7 +34,7 @@ from torch import Tensor
 import jattn
 from ._direct import DirectProgram
 from ._capture import capture, lookup
-from ._dlpack import DTYPES, jax_views, narrowed, run, to_torch, wait_for_torch
+from ._dlpack import DTYPES, jax_views, narrowed, run, to_torch, wait_for_torch, x64_scope
 from ._translate import TranslatedMod
 from jattn._src import bridge
 
@@ -335,6 +335,13 @@ def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
                   seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
                   implementation: Optional[str],
                   config: Optional[str]) -> tuple[Tensor, Tensor]:
+    with x64_scope(q):
+        return _flex_forward_tensors(q, k, v, mask_tensors, captures, mods, block_size,
+                                     seq_lengths, scale, enable_gqa, implementation, config)
+
+
+def _flex_forward_tensors(q, k, v, mask_tensors, captures, mods, block_size, seq_lengths, scale,
+                          enable_gqa, implementation, config) -> tuple[Tensor, Tensor]:
     out, lse, device = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods, block_size,
                                             seq_lengths, scale, enable_gqa, implementation,
                                             config)
@@ -349,6 +356,14 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
                       implementation: Optional[str],
                       config: Optional[str]) -> list[Tensor]:
     """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
+    with x64_scope(q):
+        return _flex_gradients(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, mods,
+                               block_size, seq_lengths, scale, enable_gqa, implementation,
+                               config)
+
+
+def _flex_gradients(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, mods, block_size,
+                    seq_lengths, scale, enable_gqa, implementation, config) -> list[Tensor]:
     device, leading, lists, capture_arrays = ready_op_views(
         "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
         captures)
@@ -506,6 +521,13 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
             FLEX_PLANS.popitem(last=False)
     return plan
 
+
+
+for _name, _clear in (("torch.flex_programs", _flex_program.cache_clear),
+                      ("torch.tensor_names", tensor_names.cache_clear),
+                      ("torch.unreadable_capture", _unreadable_capture.cache_clear),
+                      ("torch.flex_plans", FLEX_PLANS.clear)):
+    bridge.register_cache(_name, _clear)
 
 
 def run_flex(plan: FlexPlan, q, k, v, kv_lists: Sequence[Tensor], captures: Sequence[Tensor],

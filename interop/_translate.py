@@ -35,16 +35,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 aten = torch.ops.aten
 DECOMPOSITIONS = core_aten_decompositions()
 
-# torch dtype -> the JAX dtype a mod computes in (64-bit types narrowed: JAX runs without x64).
+# torch dtype -> the JAX dtype a mod computes in (int64 narrowed: indices are int32).
 _DTYPES = {torch.float32: jnp.float32, torch.float16: jnp.float16,
-           torch.bfloat16: jnp.bfloat16, torch.float64: jnp.float32, torch.int8: jnp.int8,
+           torch.bfloat16: jnp.bfloat16, torch.float64: jnp.float64, torch.int8: jnp.int8,
            torch.uint8: jnp.uint8, torch.int16: jnp.int16, torch.int32: jnp.int32,
            torch.int64: jnp.int32, torch.bool: jnp.bool_}
 
 
 def jax_dtype(dtype: torch.dtype):
+    """The JAX dtype of a mod's torch dtype; float64 where JAX runs in x64 mode (a float64
+    call), else float32."""
     if dtype not in _DTYPES:
         raise NotImplementedError(f"a mod computes in {dtype}, which jattn does not support")
+    if dtype == torch.float64 and not jax.config.jax_enable_x64:
+        return jnp.float32
     return _DTYPES[dtype]
 
 
@@ -442,6 +446,10 @@ class TranslatedMod:
     n_captures: int
     name: str = "mod"
     capture_names: tuple[str, ...] = ()
+
+    def guard_record(self) -> TranslatedMod:
+        """What it computes, for jattn's call plans: itself (a translation never changes)."""
+        return self
 
     def bind(self, arrays: Sequence[jax.Array]) -> Callable:
         """The JAX mod reading `arrays` (JAX views of the captured tensors) as captured arrays,

@@ -205,16 +205,10 @@ def _check_block_mask(block_mask, L: int, S: int, fn: str) -> None:
     _check_block_size(tuple(block_mask.BLOCK_SIZE), fn)
 
 
-_MIN_BLOCK = 16  # the kernels' smallest tile: a BlockMask block holds whole tiles
-
-
 def _check_block_size(block_size: tuple[int, int], fn: str) -> None:
-    if min(block_size) < _MIN_BLOCK:
-        raise ValueError(
-            f"{fn}: BLOCK_SIZE {block_size} is below {_MIN_BLOCK}. jattn's kernels work on "
-            f"tiles of at least {_MIN_BLOCK} queries and keys, and a block must hold whole "
-            f"tiles; build the mask with BLOCK_SIZE={_MIN_BLOCK} or more (the attention it "
-            "describes is the same at any block size).")
+    if len(block_size) != 2 or not all(isinstance(b, int) and b >= 1 for b in block_size):
+        raise ValueError(f"{fn}: BLOCK_SIZE must be a positive int or a pair of them, got "
+                         f"{block_size}.")
 
 
 def _with_q_major(fields: list, seq_lengths, block_size) -> list:
@@ -308,9 +302,9 @@ def _config(kernel_options, dtype: torch.dtype) -> str | None:
 
 
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
-    """The dtype the kernels compute in: q's (float64 runs in float32, as JAX has no float64
-    without x64), k and v cast to it as torch does."""
-    return torch.float32 if query.dtype == torch.float64 else query.dtype
+    """The dtype the call computes in: q's, k and v cast to it as torch does (float64 runs
+    on jattn's xla implementation, in JAX's x64 mode)."""
+    return query.dtype
 
 
 def _follow_layout(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -357,6 +351,13 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse = jt.flex_attention(q, k, v, bias, block_mask=mask, return_lse=True)
         print(out.shape, lse.shape)  # torch.Size([1, 2, 128, 32]) torch.Size([1, 2, 128])
     """
+    with _dlpack.x64_scope(query):
+        return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                               return_lse, kernel_options, return_aux, implementation)
+
+
+def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
+                    kernel_options, return_aux, implementation):
     want_lse = _lse_request(return_lse, return_aux)
     original, dtype = query, _compute_dtype(query)
     config = _config(kernel_options, dtype)

@@ -2,6 +2,7 @@
 
 from jattn import masks as masks
 from jattn import mods as mods
+from jattn._src import source_checkout as _source_checkout
 from jattn._src.attention.api import flex_attention as flex_attention
 from jattn._src.attention.config import AttentionConfig as AttentionConfig
 from jattn._src.decoding.api import flex_decode as flex_decode
@@ -21,15 +22,18 @@ from jattn._src.gemm.scaled_matmul import scaled_matmul as scaled_matmul
 from jattn._src.masks.block_mask import BlockMask as BlockMask
 from jattn._src.masks.create import create_block_mask as create_block_mask
 from jattn._src.masks.create import create_mask as create_mask
+from jattn._src.programs import clear_caches as clear_caches
 from jattn._src.ring.attention import ring_flex_attention as ring_flex_attention
 from jattn._src.ring.layout import from_zigzag as from_zigzag
 from jattn._src.ring.sharded import sharded_flex_attention as sharded_flex_attention
 from jattn._src.ring.layout import to_zigzag as to_zigzag
 
 __all__ = ["AttentionConfig", "B2BConfig", "BlockMask", "DecodeConfig", "MatmulConfig",
-           "PagedKVCache", "b2b_matmul", "bmm", "create_block_mask", "create_mask",
+           "PagedKVCache", "b2b_matmul", "bmm", "clear_caches", "create_block_mask", "create_mask",
            "dequantize_weight", "explain", "flex_attention", "flex_decode", "from_zigzag", "masks",
            "matmul", "mixed_matmul", "mm_plus_mm", "mods", "quantize_weight",
            "ring_flex_attention", "scaled_matmul", "sharded_flex_attention", "to_zigzag"]
 
 __version__ = "0.1.0"
+
+_source_checkout.install()  # `import jattn.torch` from a checkout on PYTHONPATH

@@ -53,11 +53,13 @@ def test_gemms(impl, M, K, N):
     assert [g.shape for g in grads] == [a.shape, b.shape]
 
 
-def test_huge_block_size_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"block_size \(1048576, 1048576\) is larger than "
-                                         r"Q_LEN=64 needs \(at most 128"):
-        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=2**20)
-    with pytest.raises(ValueError, match="larger than KV_LEN=300 needs .at most 512"):
-        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 300,
-                                block_size=(64, 1024))
-    jattn.create_block_mask(jattn.masks.causal_mask, None, None, 10, 300, block_size=(128, 512))
+def test_a_block_past_the_sequence_holds_it_whole():
+    """As torch: a block larger than the sequence is one block (built without padding)."""
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 300,
+                                   block_size=(2**20, 1024))
+    assert mask.block_size == (2**20, 1024) and mask.num_blocks == (1, 1)
+    q = jnp.ones((1, 1, 64, 16))
+    k = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1, 300, 16)), jnp.float32)
+    causal = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 300)
+    np.testing.assert_allclose(jattn.flex_attention(q, k, k, block_mask=mask),
+                               jattn.flex_attention(q, k, k, block_mask=causal), atol=1e-6)

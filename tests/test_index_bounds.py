@@ -66,10 +66,10 @@ def test_the_helpers_check_their_arrays_against_the_call():
                              jattn.mods.relative_position_bias(jnp.zeros((1, 17))))
     short = jattn.masks.and_masks(jattn.masks.causal_mask,
                                   jattn.masks.document_mask(jnp.zeros(32, jnp.int32)))
-    with pytest.raises(ValueError, match=r"create_block_mask: mask_mod and_mask reads "
+    with pytest.raises(ValueError, match=r"create_block_mask: mask_mod jattn.masks.and_masks reads "
                                          r"`segment_ids` of jattn.masks.document_mask"):
         jattn.create_block_mask(short, None, None, 64, 64)
-    with pytest.raises(ValueError, match="flex_decode: score_mod alibi_mod"):
+    with pytest.raises(ValueError, match="flex_decode: score_mod jattn.mods.alibi"):
         jattn.flex_decode(q[:, :, :1], q, q, jattn.mods.alibi(jnp.ones(2)))
     out = jattn.flex_attention(q, q, q, jattn.mods.alibi(jnp.ones(4)))  # the right size runs
     assert out.shape == q.shape

@@ -6,7 +6,7 @@ from jattn._src.programs import ProgramCache
 
 
 def test_least_recently_used_is_dropped():
-    cache = ProgramCache(maxsize=2)
+    cache = ProgramCache("test", maxsize=2)
     cache.put("a", 1)
     cache.put("b", 2)
     assert cache.get("a") == 1  # "b" is now the least recently used
@@ -15,7 +15,7 @@ def test_least_recently_used_is_dropped():
 
 
 def test_first_program_stored_wins_across_threads():
-    cache = ProgramCache()
+    cache = ProgramCache("test")
     barrier = threading.Barrier(8)
     stored = []
 
@@ -29,3 +29,19 @@ def test_first_program_stored_wins_across_threads():
     for thread in threads:
         thread.join()
     assert len(set(stored)) == 1 and cache.get("key") == stored[0]
+
+
+def test_clear_caches_empties_every_registered_cache():
+    import jax.numpy as jnp
+
+    import jattn
+    from jattn._src.programs import cache_names
+
+    q = jnp.ones((1, 2, 32, 16))
+    jattn.flex_attention(q, q, q, jattn.mods.alibi(jnp.ones(2)))
+    assert {"flex_attention.programs", "index_bounds.checked"} <= set(cache_names())
+    from jattn._src.attention import api
+    assert len(api._PROGRAMS) > 0
+    jattn.clear_caches()
+    assert len(api._PROGRAMS) == 0
+    assert jattn.flex_attention(q, q, q).shape == q.shape  # and calls work on

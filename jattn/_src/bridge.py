@@ -15,9 +15,11 @@ from jattn._src.attention.api import flex_attention_with_captures as flex_attent
 from jattn._src.decoding.paged import check_pool_sizes
 from jattn._src.kernel_launch import single_kernel_launch
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.programs import register_cache
 
 __all__ = ["MaskLists", "check_pool_sizes", "flex_attention", "flex_attention_backward",
-           "launches_directly", "resolve", "single_kernel_launch", "unreadable_capture"]
+           "launches_directly", "register_cache", "resolve", "single_kernel_launch",
+           "unreadable_capture"]
 
 
 def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> str:

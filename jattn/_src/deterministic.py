@@ -48,9 +48,11 @@ def scatter_add(operand, indices, updates, **params):
 
 
 def _integer_scatter_add(primitive, operands, params, out_avals):
-    """The rewrite of `jaxpr_eval.evaluate` that sums float scatter-adds in integers."""
-    if primitive is not lax.scatter_add_p or not jnp.issubdtype(operands[0].dtype,
-                                                                 jnp.floating):
+    """The rewrite of `jaxpr_eval.evaluate` that sums float scatter-adds in integers (float64
+    ones, which int64 fixed point would round, stay XLA's)."""
+    dtype = operands[0].dtype
+    if (primitive is not lax.scatter_add_p or not jnp.issubdtype(dtype, jnp.floating)
+            or dtype == jnp.float64):
         return None
     return [scatter_add(*operands, dimension_numbers=params["dimension_numbers"],
                         indices_are_sorted=params["indices_are_sorted"],

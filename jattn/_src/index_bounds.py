@@ -424,6 +424,10 @@ def _names(fn: Any, depth: int = 3) -> dict[int, tuple[str, Any]]:
     named = getattr(fn, "captured_arrays", None)  # a torch mod's translation names its own
     if named is not None:
         return {id(array): (name, None) for name, array in named}
+    if dataclasses.is_dataclass(fn) and not isinstance(fn, type):  # a library mod's fields
+        for field in dataclasses.fields(fn):
+            _note(found, field.name, getattr(fn, field.name), fn, depth)
+        return found
     if isinstance(fn, functools.partial):
         for i, value in enumerate(fn.args):
             _note(found, f"argument {i}", value, fn.func, depth)
@@ -476,13 +480,8 @@ def _article(word: str) -> str:
 
 
 def _helper_name(owner) -> str | None:
-    """`jattn.masks.document_mask` for the functions jattn's mod library returns."""
-    module = getattr(owner, "__module__", "") or ""
-    qualname = getattr(owner, "__qualname__", "") or ""
-    if module != "jattn._src.masks.mods" or ".<locals>." not in qualname:
-        return None
-    helper = qualname.split(".<locals>.")[0]
-    return f"jattn.{'masks' if helper.endswith(('_mask', '_masks')) else 'mods'}.{helper}"
+    """`jattn.masks.document_mask` for the mods jattn's library returns."""
+    return getattr(owner, "mod_name", None)
 
 
 def _describe_index(index: _Int) -> str:
@@ -500,7 +499,7 @@ def _describe_index(index: _Int) -> str:
 
 
 # Keys of the (mod, call sizes) found to read in bounds: a later call skips the analysis.
-_CHECKED: ProgramCache[bool] = ProgramCache()
+_CHECKED: ProgramCache[bool] = ProgramCache("index_bounds.checked")
 
 
 def check_mods(fn: str, mods: Sequence[tuple[str, Callable | None, Any]],

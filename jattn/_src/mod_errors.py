@@ -15,8 +15,8 @@ MASK_PARAMETERS = ("b", "h", "q_idx", "kv_idx")
 
 
 def name_of(fn: Callable) -> str:
-    """A user function's name for messages."""
-    return getattr(fn, "__name__", type(fn).__name__)
+    """A user function's name for messages (a library mod's `mod_name`: jattn.mods.alibi)."""
+    return getattr(fn, "__name__", None) or getattr(fn, "mod_name", None) or type(fn).__name__
 
 
 def check_parameters(fn: str, role: str, mod: Callable, parameters: tuple[str, ...]) -> None:

@@ -26,14 +26,41 @@ Program = TypeVar("Program")
 MAX_PROGRAMS = 256
 
 
+# Every cache jattn (and its torch bridge) keeps, by name: `clear_caches` empties them all.
+_CACHES: dict[str, Callable[[], None]] = {}
+
+
+def register_cache(name: str, clear: Callable[[], None]) -> None:
+    """Lists a cache (its `clear`) among those `clear_caches` empties."""
+    _CACHES[name] = clear
+
+
+def clear_caches() -> None:
+    """Empties every cache jattn keeps: compiled programs, call plans, translated torch mods,
+    tuning results read from disk. Later calls trace and compile again. (JAX's own caches
+    are `jax.clear_caches()`'s.)"""
+    for clear in list(_CACHES.values()):
+        clear()
+
+
+def cache_names() -> list[str]:
+    """The registered caches' names (for tests and debugging)."""
+    return sorted(_CACHES)
+
+
 class ProgramCache(Generic[Program]):
     """key -> program; the least recently used beyond `maxsize` are dropped. Thread-safe: two
-    threads that make the same program both get the one stored first."""
+    threads that make the same program both get the one stored first. Registered under `name`
+    for `clear_caches`."""
 
-    def __init__(self, maxsize: int = MAX_PROGRAMS):
+    def __init__(self, name: str, maxsize: int = MAX_PROGRAMS):
         self._programs: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
         self._maxsize = maxsize
         self._lock = threading.Lock()
+        register_cache(name, self.clear)
+
+    def __len__(self) -> int:
+        return len(self._programs)
 
     def get(self, key: Hashable) -> Program | None:
         with self._lock:
@@ -69,7 +96,7 @@ def _without_captures(options: Any) -> Any:
         if isinstance(getattr(options, f.name), TracedFunction)})
 
 
-_JITTED: ProgramCache[Callable[..., Any]] = ProgramCache()
+_JITTED: ProgramCache[Callable[..., Any]] = ProgramCache("programs.jitted")
 
 
 def jitted(fn: Callable[..., Any], options: Any, *static: Hashable) -> Callable[..., Any]:

@@ -10,6 +10,7 @@ explicit argument: a kernel input and a differentiable input of the custom_vjp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ class TracedFunction:
     def out_avals(self) -> list[jax.core.ShapedArray]:
         return list(self.closed_jaxpr.out_avals)
 
-    @property
+    @functools.cached_property  # (printing a jaxpr costs ~1 ms; keys are asked on every call)
     def key(self) -> tuple[str, tuple[int, ...]]:
         """What the traced computation is, without the captured arrays' values: the jaxpr's
         text (its constants are typed inputs; Python scalars it read appear as literals) and

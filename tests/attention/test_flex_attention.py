@@ -310,7 +310,7 @@ def test_a_traced_scale_points_to_a_score_mod():
 
 @pytest.mark.parametrize("block_size,error", [(16.0, TypeError), ((16, "a"), TypeError),
                                               ("16", TypeError), ((16, 16, 16), ValueError),
-                                              (8, ValueError)])
+                                              (0, ValueError)])
 def test_bad_block_sizes_name_the_argument(block_size, error):
     with pytest.raises(error, match="`block_size` must be an int"):
         jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64,

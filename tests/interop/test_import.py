@@ -23,3 +23,18 @@ def test_preallocation_is_set_only_before_jax_starts():
                  "import jax.numpy as jnp; jnp.ones(1); import interop; "
                  "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))")
     assert before.stdout.split() == ["false"] and after.stdout.split() == ["None"]
+
+
+def test_a_source_checkout_on_the_path_imports_jattn_torch():
+    """PYTHONPATH at an uninstalled checkout (the README's GPU instructions): `jattn.torch` is
+    the `interop` package, as installed."""
+    import pathlib
+    import site
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    paths = [str(root), *site.getsitepackages()]  # without site's .pth files (no install)
+    code = (f"import sys; sys.path[:0] = {paths!r}; import jattn.torch as jt, torch; "
+            "print(jt.matmul(torch.ones(2, 3), torch.ones(3, 4)).shape)")
+    result = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.split() == ["torch.Size([2,", "4])"], result.stderr

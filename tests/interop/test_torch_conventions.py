@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import interop.torch as jt  # noqa: E402
-from tests.interop.torch_reference import torch_flex  # noqa: E402
+from tests.interop.torch_reference import dense, torch_flex  # noqa: E402
 
 B, HQ, HKV, L, E = 2, 4, 2, 96, 16
 GEN = torch.Generator().manual_seed(1)
@@ -96,8 +96,8 @@ def test_create_block_mask_takes_torchs_arguments():
     assert default.kv_num_blocks.device == flex.create_block_mask(
         _causal, None, None, L, L).kv_num_blocks.device  # torch's default device
     assert tuple(default.BLOCK_SIZE) == (128, 128)
-    with pytest.raises(ValueError, match="BLOCK_SIZE \\(8, 8\\) is below 16"):
-        jt.create_block_mask(_causal, None, None, L, L, "cpu", 8)
+    with pytest.raises(ValueError, match="BLOCK_SIZE must be a positive int"):
+        jt.create_block_mask(_causal, None, None, L, L, "cpu", 0)
     compiled = torch.compile(jt.create_block_mask)(_causal, None, None, L, L, "cpu", 32)
     assert torch.equal(compiled.kv_indices, jt.create_block_mask(
         _causal, None, None, L, L, "cpu", 32).kv_indices)
@@ -131,12 +131,26 @@ def test_a_float32_query_with_lower_precision_keys(k_dtype):
     _close(out, torch_flex(q, k, v))
 
 
-def test_float64_inputs_give_float64_outputs():
-    q, k, v = _qkv(torch.float64)
-    out, lse = jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
-    assert out.dtype == torch.float64 and lse.dtype == torch.float32
-    expected = torch_flex(q, k, v)
-    _close(out, expected, 1e-5)  # computed in float32 (README)
+def test_float64_is_computed_in_float64_forward_and_backward():
+    """As torch's own float64 (CPU: jattn's xla implementation in JAX's x64 mode)."""
+    q, k, v = _qkv(torch.float64, requires_grad=True)
+    bias = torch.randn(HQ, dtype=torch.float64, generator=GEN, requires_grad=True)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (kv_idx - q_idx)
+
+    mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    out, lse = jt.flex_attention(q, k, v, mod, mask, enable_gqa=True, return_lse=True)
+    assert out.dtype == lse.dtype == torch.float64
+    expected, expected_lse = torch_flex(q, k, v, lambda s, b, h, qi, ki: s + bias.detach()[h] * (
+        ki - qi), _causal, return_lse=True)
+    _close(out, expected, 1e-12)
+    _close(lse, expected_lse, 1e-12)
+    cotangent = torch.randn(out.shape, dtype=torch.float64, generator=GEN)
+    grads = torch.autograd.grad(out, (q, k, v, bias), cotangent)
+    gold = torch.autograd.grad(dense(q, k, v, mod, _causal), (q, k, v, bias), cotangent)
+    for ours, theirs in zip(grads, gold):
+        _close(ours, theirs, 1e-11)
 
 
 def test_meta_tensors_give_meta_results_as_torchs_ops_do():

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src.masks.create import _build
+from jattn._src.masks.create import builder
 
 
 def _dense_blocks(mask, block):
@@ -59,12 +59,12 @@ def test_from_kv_blocks_round_trip_and_repr():
 
 
 def test_bad_masks_raise():
-    with pytest.raises(TypeError, match="mask_mod must return a bool array, got int32"):
+    with pytest.raises(TypeError, match="`mask_mod` must return a bool array, got int32"):
         jattn.create_block_mask(lambda b, h, q, kv: q - kv, None, None, 64, 64)
     with pytest.raises(ValueError, match="`Q_LEN` must be a positive int"):
         jattn.create_block_mask(jattn.masks.causal_mask, None, None, 0, 64)
-    with pytest.raises(ValueError, match="`block_size` must be an int >= 16"):
-        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=8)
+    with pytest.raises(ValueError, match="`block_size` must be an int >= 1"):
+        jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=0)
     with pytest.raises(ValueError, match="seq_lengths \\(100, 64\\) with block_size"):
         jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2), jnp.int32),
                                        jnp.zeros((1, 1, 2, 2), jnp.int32), block_size=32,
@@ -101,7 +101,8 @@ def test_from_kv_blocks_checks_its_values(counts, indices, match):
 
 def test_create_block_mask_is_memory_bounded_in_steps():
     """At 16k x 16k the builder never materialises the dense mask (it would be 256 MiB)."""
-    compiled = _build.lower(jattn.masks.causal_mask, 1, 1, 16384, 16384, 128, 128).compile()
+    program, arrays = builder(jattn.masks.causal_mask, 1, 1, 16384, 16384, (128, 128))
+    compiled = program.lower(arrays).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 64 * 2**20
     block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 16384, 16384)
     assert block_mask.num_blocks == (128, 128)

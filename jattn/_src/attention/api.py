@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -12,18 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
-from jattn._src import backends, hardware, index_bounds, precision
+from jattn._src import backends, guards, hardware, index_bounds, precision
 from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_mod,
                                          checked_score_mod, trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
+from jattn._src.constants import IMPLEMENTATION_ENV
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
+from jattn._src.masks.fitting import fitted
 from jattn._src.mesh_axes import summed_to_vary_like, varying_axes
 from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32),
+           jnp.dtype(jnp.float64))
 ScoreMod = Callable[..., jax.Array]
 
 
@@ -38,7 +42,7 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
                              f"shape {x.shape}.")
         if x.dtype not in _DTYPES:
             raise TypeError(f"flex_attention: `{name}` has dtype {x.dtype}; supported are "
-                            "bfloat16, float16 and float32.")
+                            "bfloat16, float16, float32 and (with jax_enable_x64) float64.")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
                         f"{k.dtype} and {v.dtype}.")
@@ -101,8 +105,16 @@ def _full_block_mask(L: int, S: int) -> BlockMask:
 # ------------------------------------------------------------------------------------------------
 
 _OP = "flex_attention"
+
+
+def _kernels_unsupported(*, dtype=None, **_) -> str | None:
+    if dtype is not None and jnp.dtype(dtype) == jnp.float64:
+        return "the kernels accumulate in float32; float64 inputs run on xla."
+    return None
+
+
 backends.register_xla_and_kernels(_OP, xla, pallas_triton, config_class=AttentionConfig,
-                                  heuristic=heuristic_config)
+                                  heuristic=heuristic_config, unsupported=_kernels_unsupported)
 backends.register(backends.Implementation(
     _OP, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
     unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,
@@ -155,7 +167,7 @@ def _flex_bwd(p: Problem, res: Residuals, cotangents):
     d_out, d_lse = (_dense_zeros(c) for c in cotangents)
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
         dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
-                                                              d_lse.astype(jnp.float32))
+                                                              d_lse.astype(res.lse.dtype))
     dq, dk, dv = (summed_to_vary_like(d, x) for d, x in ((dq, res.q), (dk, res.k), (dv, res.v)))
     d_caps = [summed_to_vary_like(d, c) for d, c in zip(d_caps, res.score_captures)]
     return dq, dk, dv, None, tuple(d_caps), None
@@ -188,7 +200,7 @@ class _Program:
         return cls(problem, jax.jit(functools.partial(_flex, problem)), jax.jit(backward))
 
 
-_PROGRAMS: ProgramCache[_Program] = ProgramCache()
+_PROGRAMS: ProgramCache[_Program] = ProgramCache("flex_attention.programs")
 
 
 def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -199,10 +211,12 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
-      q: [B, Hq, L, E]; k: [B|1, Hkv, S, E]; v: [B|1, Hkv, S, Ev] — bfloat16, float16 or float32,
-        one dtype. Hq must be a multiple of Hkv (enable_gqa=True when they differ); query head h
-        reads kv head h // (Hq // Hkv). Any L, S, E, Ev (ragged tiles are masked).
-      score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on float32 scores (after scale) and
+      q: [B, Hq, L, E]; k: [B|1, Hkv, S, E]; v: [B|1, Hkv, S, Ev] — bfloat16, float16, float32
+        or (with jax_enable_x64, on the xla implementation) float64, one dtype. Hq must be a
+        multiple of Hkv (enable_gqa=True when they differ); query head h reads kv head
+        h // (Hq // Hkv). Any L, S, E, Ev (ragged tiles are masked).
+      score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on float32 scores (float64 for
+        float64 inputs; after scale) and
         broadcastable int32 indices; arrays it closes over become kernel inputs and get gradients.
         An index into such an array that certainly leaves it raises ValueError (docs/attention.md).
       block_mask: from `jattn.create_block_mask` / `BlockMask.from_kv_blocks`, built for (L, S);
@@ -219,9 +233,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         in the kernels and XLA alike (torch's flex_attention default). No effect on bf16/fp16.
 
     Returns:
-      out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L]. A query
-      that attends to nothing (S = 0 included) gives 0 and LSE -inf; B = 0 or L = 0 give empty
-      results. A key a query never reads (outside its blocks) cannot affect it, NaN included.
+      out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L] (float64
+      for float64 inputs). A query that attends to nothing (S = 0 included) gives 0 and LSE
+      -inf; B = 0 or L = 0 give empty results. A key a query never reads (outside its blocks) cannot affect it, NaN included.
       Differentiable in q, k, v, captured arrays of score_mod and (through its cotangent) the
       LSE.
 
@@ -251,8 +265,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  implementation=None, precision=None):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does."""
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    _check_call(q, k, v, score_mod, block_mask, enable_gqa)
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     empty = _empty_result(q, k, v)
     if empty is not None:
         out, lse = empty
@@ -275,7 +289,7 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
     (zeros if score_mod does not read it), or None if it is not floating point.
     """
-    _check_call(q, k, v, score_mod, block_mask, enable_gqa)
+    block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
         (score_captures, mask_captures))
@@ -284,14 +298,17 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 
-def _check_call(q, k, v, score_mod, block_mask, enable_gqa) -> None:
-    """The checks every entry point makes once: the arrays, the mod, a given BlockMask."""
+def _check_call(q, k, v, score_mod, block_mask, enable_gqa) -> BlockMask | None:
+    """The checks every entry point makes once: the arrays, the mod, a given BlockMask (which
+    comes back fitted to the kernels' blocks)."""
     _check_inputs(q, k, v, enable_gqa)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"flex_attention: `score_mod` must be callable, got {score_mod!r}.")
-    if block_mask is not None:
-        (B, Hq, L, _), S = q.shape, k.shape[2]
-        _check_block_mask(block_mask, B, Hq, L, S)
+    if block_mask is None:
+        return None
+    (B, Hq, L, _), S = q.shape, k.shape[2]
+    _check_block_mask(block_mask, B, Hq, L, S)
+    return fitted(block_mask)
 
 
 def _empty_result(q, k, v):
@@ -302,32 +319,90 @@ def _empty_result(q, k, v):
     if B and L and S:
         return None
     return (jnp.zeros((B, Hq, L, v.shape[-1]), q.dtype),
-            jnp.full((B, Hq, L), -jnp.inf, jnp.float32))
+            jnp.full((B, Hq, L), -jnp.inf, _compute_dtype(q.dtype)))
+
+
+def _compute_dtype(dtype) -> Any:
+    """Scores, softmax and LSE: float32, or float64 for float64 inputs."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
              precision_name, known_captures=((), ())):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
-    arrays). The mods are traced at the XLA block; those traces (with the shapes and
-    options) key the program, so a cached program is found without tracing the kernels' tiles.
-    known_captures: arrays the caller knows score_mod and mask_mod read, given the first slots.
+    arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
+    reuses that call's plan without tracing; otherwise the mods are traced at the XLA block,
+    and those traces (with the shapes and options) key the program, so a cached program is
+    found without tracing the kernels' tiles. known_captures: arrays the caller knows
+    score_mod and mask_mod read, given the first slots.
     """
-    (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
+    (B, Hq, L, E), S = q.shape, k.shape[2]
     if config is not None and not isinstance(config, AttentionConfig):
         raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
-    dense = block_mask is None
-    if dense:
-        block_mask = _full_block_mask(L, S)
     scale = canonical_scale(_OP, scale, E)
     precision_name = precision.canonical(_OP, precision_name)
+    dense = block_mask is None
+    eager = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)) and known_captures == (
+        (), ())
+    state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
+    key = None
+    if eager and state.record is not None:
+        key = (state.record, q.shape, k.shape, v.shape, q.dtype, scale, enable_gqa, config,
+               implementation, precision_name, None if dense else _static_fields(block_mask),
+               os.environ.get(IMPLEMENTATION_ENV), hardware.default_platform())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return (plan.program, plan.lists if dense else block_mask.lists(),
+                    tuple(guards.fetch(plan.score_sources, state.arrays)),
+                    tuple(guards.fetch(plan.mask_sources, state.arrays)))
+    if dense:
+        block_mask = _full_block_mask(L, S)
+    program, score_caps, mask_caps = _traced_program(
+        q, k, v, score_mod, block_mask, dense, scale, config, implementation, precision_name,
+        known_captures)
+    lists = block_mask.lists()
+    if key is not None:
+        sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,
+                                                                           mask_caps)]
+        if None not in sources:  # (a dense call's lists moved to the device once)
+            _PLANS.put(key, _Plan(program, *sources, jax.device_put(lists) if dense else None))
+    return program, lists, score_caps, mask_caps
 
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What an eager call reuses when its mods read what an earlier call's read: the program,
+    where the mods' captured arrays come from (`guards.fetch`), and a dense call's lists."""
+
+    program: _Program
+    score_sources: tuple
+    mask_sources: tuple
+    lists: MaskLists | None
+
+
+# Plans by the mods' guards record, shapes, options and the BlockMask's static fields.
+_PLANS: ProgramCache[_Plan] = ProgramCache("flex_attention.plans")
+
+
+def _static_fields(block_mask: BlockMask) -> tuple:
+    """What a program depends on in a BlockMask besides its lists' values (its mask_mod is
+    guarded apart)."""
+    return (block_mask.block_size, block_mask.seq_lengths, block_mask.kv_num_blocks.shape,
+            block_mask.full_kv_num_blocks is None)
+
+
+def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implementation,
+                    precision_name, known_captures):
+    """The slow path: (program, score captures, mask captures) of a call, its mods traced."""
+    (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     user_mods = (score_mod, block_mask.mask_mod)
     score_mod = None if score_mod is None else checked_score_mod(score_mod, _OP, (B, Hq, L, S))
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod,
                                                                          _OP)
     score_set, mask_set = (CaptureSet(known) for known in known_captures)
     xla_mods = trace_mods(score_mod, mask_mod, score_set, mask_set,
-                          *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1]),
+                          *xla.block_signature(B, Hkv, Hq // Hkv, L, block_mask.block_size[1],
+                                               _compute_dtype(q.dtype)),
                           with_vjp=False)
     # The traces' texts, which key the program (computed once: each is a jaxpr printed).
     mod_keys = tuple(None if f is None else f.key for f in (xla_mods.score, xla_mods.mask))
@@ -350,7 +425,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
                           mask_block=block_mask.block_size, scale=scale,
                           precision=precision_name, implementation=implementation,
                           config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods,
-                          dense=dense)
+                          dense=dense, compute_dtype=_compute_dtype(q.dtype))
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, config=config)
@@ -359,11 +434,11 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
             program = _PROGRAMS.put(key, program)
         # else the mods captured arrays at the kernels' tiles that they did not at the XLA
         # block (arrays made from the shapes they see): the program is this call's alone.
-    return program, lists, tuple(score_set.captures), tuple(mask_set.captures)
+    return program, tuple(score_set.captures), tuple(mask_set.captures)
 
 
 # The `unreadable_capture` fact by the mods' XLA traces (it needs a trace at another shape).
-_UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache()
+_UNREADABLE: ProgramCache[tuple[str | None]] = ProgramCache("flex_attention.unreadable")
 
 
 def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,

@@ -61,6 +61,7 @@ class Problem:
     xla: Mods          # XLA block: the XLA path, and gradients of captured arrays
     decode: Any = None  # a decoding DecodeProblem when the forward runs the decode kernel
     dense: bool = False  # no BlockMask was given: every query block attends to every kv block
+    compute_dtype: Any = jnp.float32  # scores, softmax and LSE: float64 for float64 inputs
 
     @property
     def groups(self) -> int:
@@ -110,7 +111,8 @@ def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,
                       scores: tuple[int, ...]) -> Callable[..., jax.Array]:
     """score_mod, with clear errors (naming `fn` and the call's [B, Hq, L, S] `scores`) for
     the common mistakes: a wrong parameter list, Python control flow on the arguments, a result
-    that is not one float per score. Its result is float32."""
+    that is not one float per score. Its result has the score's dtype (float32; float64 for
+    float64 inputs)."""
     check_parameters(fn, "score_mod", score_mod, SCORE_PARAMETERS)
 
     def checked(score, b, h, q_idx, kv_idx):
@@ -124,7 +126,7 @@ def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,
                 f"{jnp.result_type(out)} of shape {tuple(jnp.shape(out))} for a score of shape "
                 f"{tuple(score.shape)} (jattn calls it on blocks of the [B, Hq, L, S] = "
                 f"{list(scores)} scores); did it reduce over an axis, or return a constant?")
-        return out.astype(jnp.float32)
+        return out.astype(score.dtype)
     return checked
 
 

@@ -36,10 +36,11 @@ def specialise(p: Problem, **_) -> Problem:
     return p
 
 
-def block_signature(B: int, Hkv: int, groups: int, L: int, block: int):
+def block_signature(B: int, Hkv: int, groups: int, L: int, block: int,
+                    score_dtype=jnp.float32):
     """Argument shapes of score_mod / mask_mod on one XLA block [B, Hkv, G, L, block]."""
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-    score = jax.ShapeDtypeStruct((B, Hkv, groups, L, block), jnp.float32)
+    score = jax.ShapeDtypeStruct((B, Hkv, groups, L, block), score_dtype)
     return score, (i32(B, 1, 1, 1, 1), i32(1, Hkv, groups, 1, 1), i32(1, 1, 1, L, 1),
                    i32(1, 1, 1, 1, block))
 
@@ -76,7 +77,7 @@ def _scores(p: Problem, mods: Mods, score_captures, mask_captures, qg, k_block, 
     kv = j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32)
     kv = kv[None, None, None, None, :]
     raw = jnp.einsum("bhgle,bhke->bhglk", qg, k_block,
-                     preferred_element_type=jnp.float32) * p.scale
+                     preferred_element_type=p.compute_dtype) * p.scale
     s = raw if mods.score is None else mods.score(score_captures, raw, b, h, q, kv)[0]
     attends = _rows_of(p, full)
     if mods.mask is not None:
@@ -116,7 +117,7 @@ def _zeros(shape, dtype, *inputs) -> jax.Array:
 
 def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],
             mask_captures: Sequence[Any]):
-    """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] float32, natural log)."""
+    """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] of p.compute_dtype, natural log)."""
     qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
     shape = (p.B, p.Hkv, p.groups, p.L)
 
@@ -131,12 +132,14 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
         e = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
         l = alpha * l + e.sum(axis=-1)
         acc = alpha[..., None] * acc + _weighted_rows(
-            e.astype(v.dtype), v_block, "bhglk,bhke->bhgle", preferred_element_type=jnp.float32)
+            e.astype(v.dtype), v_block, "bhglk,bhke->bhgle",
+            preferred_element_type=p.compute_dtype)
         return (m_new, l, acc), None
 
     inputs = (q, k, v, lists, score_captures, mask_captures)
-    init = (_zeros(shape, jnp.float32, *inputs) + MASK_VALUE, _zeros(shape, jnp.float32, *inputs),
-            _zeros((*shape, p.Ev), jnp.float32, *inputs))
+    acc = p.compute_dtype
+    init = (_zeros(shape, acc, *inputs) + MASK_VALUE, _zeros(shape, acc, *inputs),
+            _zeros((*shape, p.Ev), acc, *inputs))
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns(lists))
@@ -162,7 +165,8 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
     """
     group = lambda x: x.reshape(p.B, p.Hkv, p.groups, *x.shape[2:])  # noqa: E731
     qg, dog = group(q), group(d_out)
-    delta = group(jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), -1) - d_lse)
+    acc = p.compute_dtype
+    delta = group(jnp.sum(out.astype(acc) * d_out.astype(acc), -1) - d_lse)
     lse = group(lse)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]
     score_captures = list(score_captures)
@@ -182,7 +186,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
                                full_j, j)
         prob = jnp.where(keep, jnp.exp(s - lse_safe), 0.0)
         read = prob > 0  # where a key has no weight its gradients are 0, whatever K and V hold
-        dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=jnp.float32)
+        dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=acc)
         ds = jnp.where(read, prob * (dp - delta[..., None]), 0.0)
         if p.xla.score is not None:
             b, h, q_idx = _indices(p)
@@ -200,10 +204,10 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
         ds = jnp.where(read, ds, 0.0)
         if not operand_grads:
             return (dq, d_caps), None
-        dq = dq + _weighted_rows(ds, k_block.astype(jnp.float32), "bhglk,bhke->bhgle") * p.scale
-        dk = jnp.einsum("bhglk,bhgle->bhke", ds, qg.astype(jnp.float32)) * p.scale
+        dq = dq + _weighted_rows(ds, k_block.astype(acc), "bhglk,bhke->bhgle") * p.scale
+        dk = jnp.einsum("bhglk,bhgle->bhke", ds, qg.astype(acc)) * p.scale
         dv = jnp.einsum("bhglk,bhgle->bhke", prob.astype(v.dtype), dog,
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=acc)
         return (dq, d_caps), (dk, dv)
 
     inputs = (q, k, v, lists, score_captures, mask_captures, out, lse, d_out, d_lse)
@@ -211,7 +215,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
     # of a replicated array sums the devices' parts), and so does their sum.
     zeros_caps = [_zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]),
                          score_captures[i]) for i in learnable]
-    dq0 = _zeros((p.B, p.Hkv, p.groups, p.L, p.E), jnp.float32, *inputs)
+    dq0 = _zeros((p.B, p.Hkv, p.groups, p.L, p.E), acc, *inputs)
     n_kv = cdiv(p.S, p.mask_block[1])
     xs = (jnp.arange(n_kv, dtype=jnp.int32), _blocked_kv(p, k), _blocked_kv(p, v),
           *_block_columns(lists))

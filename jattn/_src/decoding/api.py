@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src import backends, index_bounds
+from jattn._src import backends, guards, index_bounds
 from jattn._src.attention import pallas_triton_split_kv
 from jattn._src.attention.common import (canonical_scale, checked_mask_mod, checked_score_mod,
                                          without_captures)
@@ -18,6 +19,7 @@ from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding import xla
 from jattn._src.decoding.paged import PagedKVCache, concrete
 from jattn._src.masks.block_mask import BlockMask
+from jattn._src.masks.fitting import fitted
 from jattn._src.precision import applied as precision_applied
 from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import ProgramCache
@@ -78,35 +80,47 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, Ev: int, kv_dtype) -> None:
 def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
     """kv_len as int32 [B] (None: S everywhere) and, under jit, a [B] mask of bad entries
     (None when every value was checked here): a length outside [0, S], or, with a cache, a page
-    below the length that is unassigned or outside the pool. Known bad values raise."""
+    below the length that is unassigned or outside the pool. Known bad values raise. Known
+    values are checked in numpy (an eager call then runs no device op for them)."""
     if kv_len is None:
         # numpy: under jit a constant, not a broadcast XLA runs as a kernel of its own per call
-        kv_len, bad = np.full((B,), S, np.int32), np.zeros((B,), bool)
+        kv_len = np.full((B,), S, np.int32)
         if cache is None:
             return kv_len, None
-    else:
-        kv_len = jnp.asarray(kv_len)
-        if not jnp.issubdtype(kv_len.dtype, jnp.integer) or kv_len.ndim > 1 or (
-                kv_len.ndim == 1 and kv_len.shape[0] not in (1, B)):
-            raise ValueError(f"flex_decode: `kv_len` must be an int scalar or [{B}] array, "
-                             f"got {kv_len.dtype}{list(kv_len.shape)}.")
-        kv_len = jnp.broadcast_to(kv_len.astype(jnp.int32), (B,))
-        bad = (kv_len < 0) | (kv_len > S)
+    elif not isinstance(kv_len, (int, np.integer)) and (
+            not hasattr(kv_len, "dtype") or not jnp.issubdtype(kv_len.dtype, jnp.integer)
+            or jnp.ndim(kv_len) > 1 or (jnp.ndim(kv_len) == 1 and jnp.shape(kv_len)[0] not in (
+                1, B))):
+        raise ValueError(f"flex_decode: `kv_len` must be an int scalar or [{B}] array, got "
+                         f"{getattr(kv_len, 'dtype', type(kv_len).__name__)}"
+                         f"{list(jnp.shape(kv_len))}.")
+    table = None if cache is None else cache.page_table
+    known = [concrete(x) for x in (kv_len, table)]
+    if not any(x is None for x in known[:1 + (cache is not None)]):
+        lengths = np.broadcast_to(known[0].astype(np.int32), (B,))
+        bad = _bad_lengths(np, lengths, S, cache, known[1])
+        if bad.any():
+            b = int(np.argmax(bad))
+            raise ValueError(f"flex_decode: kv_len[{b}] = {int(lengths[b])} is outside [0, {S}] "
+                             "(the cache length) or reaches a page the page table leaves "
+                             "unassigned or points outside the pool.")
+        if isinstance(kv_len, jax.Array) and kv_len.dtype == jnp.int32 and kv_len.shape == (B,):
+            return kv_len, None  # already on the device as the kernels read it
+        return np.ascontiguousarray(lengths), None
+    kv_len = jnp.broadcast_to(jnp.asarray(kv_len).astype(jnp.int32), (B,))
+    return kv_len, _bad_lengths(jnp, kv_len, S, cache, table)
+
+
+def _bad_lengths(xp, lengths, S: int, cache: PagedKVCache | None, table):
+    """[B] bool: lengths outside [0, S] or reaching a page that is unassigned or outside the
+    pool; xp: numpy for known values, jax.numpy under jit."""
+    bad = (lengths < 0) | (lengths > S)
     if cache is not None:
-        table = cache.page_table
-        needed = jnp.arange(table.shape[1]) < ((kv_len + cache.page_size - 1)
-                                               // cache.page_size)[:, None]
+        needed = xp.arange(table.shape[1]) < ((lengths + cache.page_size - 1)
+                                              // cache.page_size)[:, None]
         outside = (table < 0) | (table >= cache.num_pages)
         bad = bad | (needed & outside).any(axis=1)
-    known = concrete(bad)
-    if known is None:
-        return kv_len, bad
-    if known.any():
-        b = int(np.argmax(known))
-        raise ValueError(f"flex_decode: kv_len[{b}] = {int(kv_len[b])} is outside [0, {S}] (the "
-                         "cache length) or reaches a page the page table leaves unassigned or "
-                         "points outside the pool.")
-    return kv_len, None
+    return bad
 
 
 def _check_block_mask(block_mask, B: int, Hq: int, S: int) -> None:
@@ -147,7 +161,7 @@ _no_gradient.defvjp(_no_gradient_fwd, lambda _, cotangent: (cotangent,))
 # Kernel programs, one per problem
 # ------------------------------------------------------------------------------------------------
 
-_PROGRAMS: ProgramCache[Callable] = ProgramCache()
+_PROGRAMS: ProgramCache[Callable] = ProgramCache("flex_decode.programs")
 
 
 def _problem_key(p: DecodeProblem) -> tuple:
@@ -226,68 +240,149 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     such a sequence come out NaN; nothing is read or written out of bounds either way. Not
     differentiable: jax.grad raises (use flex_attention to train).
     """
-    q = jnp.asarray(q)
+    q = q if isinstance(q, jax.Array) else jnp.asarray(q)
     cache = k if isinstance(k, PagedKVCache) else None
     if cache is None and k is not None and v is not None:
-        k, v = jnp.asarray(k), jnp.asarray(v)
-    if q.ndim != 4:
-        raise ValueError(f"flex_decode: `q` must be [batch, heads, queries, dim], got {q.shape}.")
-    (Hkv, S, E, Ev, kv_batch, page_size, num_pages), kv_dtype = _kv_shapes(q, k, v)
-    _check_heads_and_dtypes(q, Hkv, E, Ev, kv_dtype)
-    B, Hq, Lq, _ = q.shape
-    if score_mod is not None and not callable(score_mod):
-        raise TypeError(f"flex_decode: `score_mod` must be callable, got {score_mod!r}.")
-    if config is not None and not isinstance(config, DecodeConfig):
-        raise TypeError(f"flex_decode: `config` must be a DecodeConfig, got {config!r}.")
-    if block_mask is not None:
-        _check_block_mask(block_mask, B, Hq, S)
+        k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (k, v))
+    dims = _checked_dims(q, k, v, score_mod, block_mask, config)
+    block_mask = None if block_mask is None else fitted(block_mask)  # the kernels' blocks
+    B, Hq, Lq, E = q.shape
+    S, Ev = dims.S, dims.Ev
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
                                       value_dim=Ev)
     scale = canonical_scale(_OP, scale, E)
     precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
     kv_len, bad = _lengths(kv_len, B, S, cache)
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    state = guards.read_state(score_mod, mask_mod)
     # Query positions: kv_len - Lq + i (negative ones attend to nothing).
     positions = (S - Lq, S - 1) if static_length else (0, S - 1)
     index_bounds.check_mods(
-        _OP, [("score_mod", score_mod, None),
-              ("mask_mod", None if block_mask is None else block_mask.mask_mod, None)],
+        _OP, [("score_mod", score_mod, state.record), ("mask_mod", mask_mod, state.record)],
         dict(b=B, h=Hq, q_idx=(max(positions[0], 0), positions[1]), kv_idx=S))
-    if score_mod is not None:
-        score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
 
     if 0 in (B, Lq, S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)
         lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
     elif not implementation.backend.pallas or Lq > MAX_DECODE_QUERIES:
-        k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
-        q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))
-        kv_len = jnp.clip(kv_len, 0, S)
-        out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
-                               scale=scale, implementation=implementation.name,
-                               precision=precision)
-        if bad is not None:
-            out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
-            lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+        out, lse = _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale,
+                               implementation, precision)
     else:
-        score_set, mask_set = CaptureSet(), CaptureSet()
-        mask_mod = None if block_mask is None else block_mask.mask_mod
-        problem = make_problem(
-            B=B, Hq=Hq, Hkv=Hkv, Lq=Lq, S=S, E=E, Ev=Ev, kv_batch=kv_batch,
-            page_size=page_size, num_pages=num_pages, block_mask=block_mask,
-            score_mod=score_mod,
-            mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod, _OP),
-            score_set=score_set, mask_set=mask_set, static_length=static_length,
-            queries_last=True, scale=scale, interpret=implementation.backend.interpret,
-            config=config)
         if cache is not None:
             k, v, table = cache.k_pages, cache.v_pages, cache.page_table
         else:
             table = None
+        program, score_caps, mask_caps = _kernel_plan(
+            q, k, v, table, score_mod, block_mask, dims, static_length, scale, config,
+            implementation, precision, state)
         lists = [] if block_mask is None else block_mask.lists().major("kv")
         # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
         # jit each XLA op here would be a kernel launch of its own per call.
-        program = _kernel_program(problem, precision)
         out, lse = program(q, k, v, None if static_length else kv_len, table, lists,
-                           tuple(score_set.captures), tuple(mask_set.captures), bad)
+                           score_caps, mask_caps, bad)
     return (out, lse) if return_lse else out
+
+
+class _Dims(NamedTuple):
+    """The cache's dimensions: heads, capacity, head dims, batch, and for a paged cache the
+    page size and pool size (None for a contiguous one)."""
+
+    Hkv: int
+    S: int
+    E: int
+    Ev: int
+    kv_batch: int
+    page_size: int | None
+    num_pages: int | None
+
+
+def _checked_dims(q, k, v, score_mod, block_mask, config) -> _Dims:
+    """The call's checks (clear errors for bad arguments) and the cache's dimensions."""
+    if q.ndim != 4:
+        raise ValueError(f"flex_decode: `q` must be [batch, heads, queries, dim], got {q.shape}.")
+    shapes, kv_dtype = _kv_shapes(q, k, v)
+    dims = _Dims(*shapes)
+    _check_heads_and_dtypes(q, dims.Hkv, dims.E, dims.Ev, kv_dtype)
+    if score_mod is not None and not callable(score_mod):
+        raise TypeError(f"flex_decode: `score_mod` must be callable, got {score_mod!r}.")
+    if config is not None and not isinstance(config, DecodeConfig):
+        raise TypeError(f"flex_decode: `config` must be a DecodeConfig, got {config!r}.")
+    if block_mask is not None:
+        _check_block_mask(block_mask, q.shape[0], q.shape[1], dims.S)
+    return dims
+
+
+def _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale, implementation,
+                precision):
+    """(out, lse) through flex_attention over the whole cache (decoding/xla.py)."""
+    B, Hq, Lq, _ = q.shape
+    S = cache.capacity if cache is not None else k.shape[2]
+    if score_mod is not None:
+        score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
+    k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
+    if any(isinstance(x, jax.core.Tracer) for x in (q, k_seq, v_seq)):
+        q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))  # eager arrays have no gradient
+    kv_len = jnp.asarray(kv_len)  # (the mods index it with traced batch indices)
+    if bad is not None:  # lengths under jit: clipped, the bad rows made NaN below
+        kv_len = jnp.clip(kv_len, 0, S)
+    out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
+                           scale=scale, implementation=implementation.name,
+                           precision=precision)
+    if bad is not None:
+        out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
+        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+    return out, lse
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A decode kernel call's program and where its mods' captured arrays come from."""
+
+    program: Callable
+    score_sources: tuple
+    mask_sources: tuple
+
+
+# Plans of eager calls, by the mods' guards record, shapes and options.
+_PLANS: ProgramCache[_Plan] = ProgramCache("flex_decode.plans")
+
+
+def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_length, scale,
+                 config, implementation, precision, state: guards.State):
+    """(program, score captures, mask captures) of a call on the split-KV kernel: an eager
+    call whose mods read what an earlier one's read reuses its plan; otherwise the mods are
+    traced at the kernel's tiles."""
+    B, Hq, Lq, _ = q.shape
+    eager = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v, table))
+    key = None
+    if eager and state.record is not None:
+        key = (state.record, q.shape, q.dtype, dims, None if table is None else table.shape,
+               static_length, scale, config, implementation.name, precision,
+               None if block_mask is None else (
+                   block_mask.block_size, block_mask.kv_num_blocks.shape,
+                   block_mask.full_kv_num_blocks is None))
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return (plan.program, tuple(guards.fetch(plan.score_sources, state.arrays)),
+                    tuple(guards.fetch(plan.mask_sources, state.arrays)))
+    score_set, mask_set = CaptureSet(), CaptureSet()
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    problem = make_problem(
+        B=B, Hq=Hq, Hkv=dims.Hkv, Lq=Lq, S=dims.S, E=dims.E, Ev=dims.Ev,
+        kv_batch=dims.kv_batch, page_size=dims.page_size, num_pages=dims.num_pages,
+        block_mask=block_mask,
+        score_mod=None if score_mod is None else checked_score_mod(
+            score_mod, _OP, (B, Hq, Lq, dims.S)),
+        mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod, _OP),
+        score_set=score_set, mask_set=mask_set, static_length=static_length,
+        queries_last=True, scale=scale, interpret=implementation.backend.interpret,
+        config=config)
+    program = _kernel_program(problem, precision)
+    score_caps, mask_caps = tuple(score_set.captures), tuple(mask_set.captures)
+    if key is not None:
+        sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,
+                                                                           mask_caps)]
+        if None not in sources:
+            _PLANS.put(key, _Plan(program, *sources))
+    return program, score_caps, mask_caps

@@ -98,6 +98,8 @@ def _int32(x) -> jax.Array | np.ndarray:
     """x as int32; a numpy array stays one (under jit a constant, eagerly no device op)."""
     if isinstance(x, np.ndarray):
         return x.astype(np.int32, copy=False)
+    if isinstance(x, jax.Array) and x.dtype == jnp.int32:
+        return x  # (jnp.asarray costs ~10 us per list on every eager call)
     return jnp.asarray(x, jnp.int32)
 
 
@@ -165,7 +167,7 @@ class BlockMask:
         [0, nKV) raises where the values are known; under jit they are not checked, and such an
         index lists no block.
         """
-        block_size = _pair("block_size", block_size)
+        block_size = _pair("block_size", block_size, minimum=1)
         kv_num_blocks, kv_indices = jnp.asarray(kv_num_blocks), jnp.asarray(kv_indices)
         _check_lists("kv", kv_num_blocks, kv_indices)
         n_q, n_kv = kv_indices.shape[-2:]
@@ -186,7 +188,6 @@ class BlockMask:
         if seq_lengths is None:
             seq_lengths = (n_q * block_size[0], n_kv * block_size[1])
         seq_lengths = _pair("seq_lengths", seq_lengths, minimum=1)
-        check_block_size("from_kv_blocks", block_size, seq_lengths)
         if (cdiv(seq_lengths[0], block_size[0]), cdiv(seq_lengths[1], block_size[1])) != (
                 n_q, n_kv):
             raise ValueError(f"from_kv_blocks: seq_lengths {seq_lengths} with block_size "
@@ -248,12 +249,30 @@ class BlockMask:
         return f"{head}, sparsity={self.sparsity():.1f}%){picture}"
 
 
-jax.tree_util.register_dataclass(
-    BlockMask,
-    data_fields=["kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices"],
-    meta_fields=["block_size", "seq_lengths", "mask_mod"],
-)
+_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _flatten(mask: BlockMask):
+    """Children: the lists and the arrays the mask_mod holds as pytree leaves (jattn.masks'
+    mods: new document ids pass through jax.jit as arguments); the rest is static."""
+    leaves, mod_tree = jax.tree_util.tree_flatten(mask.mask_mod)
+    dynamic = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+    arrays = [x for x, d in zip(leaves, dynamic) if d]
+    static = tuple(None if d else x for x, d in zip(leaves, dynamic))
+    children = (*(getattr(mask, name) for name in _LISTS), *arrays)
+    return children, (mask.block_size, mask.seq_lengths, mod_tree, static)
+
+
+def _unflatten(aux, children) -> BlockMask:
+    block_size, seq_lengths, mod_tree, static = aux
+    arrays = iter(children[len(_LISTS):])
+    leaves = [next(arrays) if x is None else x for x in static]
+    return BlockMask(*children[:len(_LISTS)], block_size=block_size, seq_lengths=seq_lengths,
+                     mask_mod=mod_tree.unflatten(leaves))
+
+
+jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
 
 
 def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:
@@ -270,18 +289,6 @@ def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:
     if len(pair) != 2 or min(pair) < minimum:
         raise ValueError(f"`{name}` must be an int >= {minimum} or a pair of them, got {value!r}.")
     return int(pair[0]), int(pair[1])
-
-
-def check_block_size(fn: str, block_size: tuple[int, int], seq_lengths: tuple[int, int]) -> None:
-    """A block may be at most max(128, the length rounded up to a power of two) along each
-    axis: larger blocks only pad (and the kernels would allocate for the padding)."""
-    for axis, name in enumerate(("Q_LEN", "KV_LEN")):
-        largest = max(DEFAULT_BLOCK, next_power_of_two(seq_lengths[axis]))
-        if block_size[axis] > largest:
-            raise ValueError(f"{fn}: block_size {block_size} is larger than {name}="
-                             f"{seq_lengths[axis]} needs (at most {largest} along that axis); "
-                             "a block past the sequence end is padding. Use a block size up "
-                             f"to {largest}, e.g. the default {DEFAULT_BLOCK}.")
 
 
 def _check_lists(name: str, num_blocks: jax.Array, indices: jax.Array) -> None:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jattn._src import index_bounds
-from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair, check_block_size
+from jattn._src import guards, index_bounds
+from jattn._src.jaxpr_eval import jaxpr_and_consts
+from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair
+from jattn._src.masks.fitting import legal_block
 from jattn._src.mod_errors import MASK_PARAMETERS, check_parameters, traced_values_explained
+from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
+from jattn._src.user_functions import CaptureSet, TracedFunction
 
 
 def _chunk_elements() -> int:
@@ -43,13 +50,28 @@ def _valid_counts(length: int, block: int, n: int) -> np.ndarray:
     return np.minimum(block, length - block * np.arange(n))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: int,
-           block_kv: int) -> BlockMask:
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    B: int
+    H: int
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+
+    def signature(self) -> list[jax.ShapeDtypeStruct]:
+        """mask_mod's argument shapes in the builder: one block, [B, H, block_q, block_kv]."""
+        return [jax.ShapeDtypeStruct(shape, jnp.int32) for shape in (
+            (self.B, 1, 1, 1), (1, self.H, 1, 1), (1, 1, self.block_q, 1),
+            (1, 1, 1, self.block_kv))]
+
+
+def _build(mask_mod: TracedFunction, sizes: _Sizes, captures) -> BlockMask:
     """Counts the attending pairs of every block, a few query-block rows per step, then lists
-    the partial (some pairs) and full (all pairs) blocks."""
-    index_bounds.check_reads("create_block_mask", "mask_mod", mask_mod,
-                             dict(b=B, h=H, q_idx=q_len, kv_idx=kv_len))
+    the partial (some pairs) and full (all pairs) blocks. mask_mod: traced at
+    `sizes.signature()`, reading `captures`."""
+    B, H, q_len, kv_len = sizes.B, sizes.H, sizes.q_len, sizes.kv_len
+    block_q, block_kv = sizes.block_q, sizes.block_kv
     n_q, n_kv = cdiv(q_len, block_q), cdiv(kv_len, block_kv)
     rows = max(1, min(n_q, _chunk_elements() // (B * H * block_q * n_kv * block_kv)))
     b, h = _index_grids(B, H)
@@ -57,20 +79,21 @@ def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: 
     kv_in_block = jnp.arange(block_kv, dtype=jnp.int32)[None, None, None, :]
     kv_starts = jnp.arange(n_kv, dtype=jnp.int32) * block_kv
     ragged = bool(q_len % block_q or kv_len % block_kv)
+    shape = (B, H, block_q, block_kv)
+
+    def attends(q, kv):
+        return jnp.broadcast_to(mask_mod(captures, b, h, q, kv)[0], shape)
 
     def block(q0, kv0):
         """Attending pairs of the block at (q0, kv0): mask_mod on the usual [B, H, q, kv]
         shapes, vmapped over blocks so the count reduces contiguous elements."""
         q, kv = q0 + q_in_block, kv0 + kv_in_block
-        shape = (B, H, block_q, block_kv)
         if not ragged:
-            return _evaluate("create_block_mask", mask_mod, b, h, q, kv, shape).sum(
-                (-2, -1), dtype=jnp.int32)
+            return attends(q, kv).sum((-2, -1), dtype=jnp.int32)
         # Positions past the ends are evaluated at the last valid index (a captured array
         # never sees an index past its end) and not counted.
-        attends = _evaluate("create_block_mask", mask_mod, b, h, jnp.minimum(q, q_len - 1),
-                            jnp.minimum(kv, kv_len - 1), shape)
-        return (attends & (q < q_len) & (kv < kv_len)).sum((-2, -1), dtype=jnp.int32)
+        pairs = attends(jnp.minimum(q, q_len - 1), jnp.minimum(kv, kv_len - 1))
+        return (pairs & (q < q_len) & (kv < kv_len)).sum((-2, -1), dtype=jnp.int32)
 
     row_of_blocks = jax.vmap(block, in_axes=(None, 0))  # [n_kv, B, H]
 
@@ -84,7 +107,63 @@ def _build(mask_mod: MaskMod, B: int, H: int, q_len: int, kv_len: int, block_q: 
     full = counts == valid
     return BlockMask.from_dense_blocks((counts > 0) & ~full, full,
                                        block_size=(block_q, block_kv),
-                                       seq_lengths=(q_len, kv_len), mask_mod=mask_mod)
+                                       seq_lengths=(q_len, kv_len), mask_mod=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """A mask_mod's builder: the compiled program and where its captured arrays come from
+    (`guards.fetch`)."""
+    program: Callable[[Any], BlockMask]
+    sources: tuple
+
+
+# The builders, by what their mask_mod computes (its jaxpr) and the sizes: new values of the
+# arrays it reads are arguments, so they reuse the compiled builder.
+_BUILDERS: ProgramCache[Callable] = ProgramCache("create_block_mask.builders")
+# The plans of mask_mods by what they read (guards.read_state) and the sizes: a call whose
+# mask_mod reads the same Python values neither traces nor compiles.
+_PLANS: ProgramCache[_Plan] = ProgramCache("create_block_mask.plans")
+
+
+def _plan(mask_mod: MaskMod, sizes: _Sizes, state: guards.State) -> _Plan:
+    """Traces mask_mod at the builder's block, checks it, and finds (or compiles) its
+    builder; the plan is stored under the guards' record where they made one."""
+    fn = "create_block_mask"
+    with traced_values_explained(fn, "mask_mod", mask_mod):
+        traced = CaptureSet().trace(mask_mod, sizes.signature())
+    out = traced.out_avals
+    if len(out) != 1 or out[0].dtype != jnp.bool_:
+        raise TypeError(f"{fn}: `mask_mod` must return a bool array, got "
+                        f"{', '.join(str(a.dtype) for a in out)}; compare instead (e.g. "
+                        "`q_idx >= kv_idx`).")
+    index_bounds.check_mods(fn, [("mask_mod", mask_mod, traced.key)], dict(
+        b=sizes.B, h=sizes.H, q_idx=sizes.q_len, kv_idx=sizes.kv_len))
+    key = (traced.key, sizes)
+    program = _BUILDERS.get(key)
+    if program is None:
+        program = _BUILDERS.put(key, jax.jit(functools.partial(
+            _build, traced.without_captures(), sizes)))
+    captures = jaxpr_and_consts(traced.closed_jaxpr)[1]
+    sources = guards.sources_of(list(captures), state.arrays)
+    plan = _Plan(program, sources if sources is not None else tuple(
+        ("value", c) for c in captures))
+    if state.record is not None and sources is not None:
+        plan = _PLANS.put((state.record, sizes, jax.default_backend()), plan)
+    return plan
+
+
+def builder(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int,
+            block_size: tuple[int, int]) -> tuple[Callable, list]:
+    """The compiled builder of a create_block_mask call and the arrays it takes (for memory
+    analysis: `program.lower(arrays).compile()`)."""
+    # A block past the sequence's end holds it whole: built at the shortest such block (the
+    # same lists), reported at the size asked for, as torch does.
+    sizes = _Sizes(B, H, Q_LEN, KV_LEN, *(legal_block(b, n) if b >= n else b
+                                           for b, n in zip(block_size, (Q_LEN, KV_LEN))))
+    state = guards.read_state(mask_mod)
+    plan = _plan(mask_mod, sizes, state)
+    return plan.program, guards.fetch(plan.sources, state.arrays)
 
 
 def _check_sizes(fn: str, B, H, Q_LEN, KV_LEN) -> tuple[int, int, int, int]:
@@ -115,8 +194,9 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         flex_attention applies it to partial blocks. See `jattn.masks` for ready-made ones.
       B, H: batch and heads, or None (1) to share one mask across them.
       Q_LEN, KV_LEN: the query and key lengths of the attention it is for.
-      block_size: int or (q, kv) pair, at least 16 and at most max(128, the length rounded up
-        to a power of two) along each axis; 128 as torch.
+      block_size: int or (q, kv) pair, 128 as torch. Any size works: the kernels use blocks
+        that are multiples of 16, and flex_attention fits other masks to them with the same
+        attention (a block past the sequence holds it whole; smaller ones are grouped).
 
     Returns:
       A BlockMask (int32 block lists shaped [B, H, nQ, nKV] and the like; `repr` draws it).
@@ -132,12 +212,22 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         print(mask.num_blocks, out.shape)  # (2, 2) (1, 2, 256, 32)
     """
     B, H, Q_LEN, KV_LEN = _check_sizes("create_block_mask", B, H, Q_LEN, KV_LEN)
-    block_size = _pair("block_size", block_size)
-    check_block_size("create_block_mask", block_size, (Q_LEN, KV_LEN))
+    block_size = _pair("block_size", block_size, minimum=1)
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: `mask_mod` must be callable, got {mask_mod!r}.")
     check_parameters("create_block_mask", "mask_mod", mask_mod, MASK_PARAMETERS)
-    return _build(mask_mod, B, H, Q_LEN, KV_LEN, *block_size)
+    # A block past the sequence's end holds it whole: built at the shortest such block (the
+    # same lists), reported at the size asked for, as torch does.
+    sizes = _Sizes(B, H, Q_LEN, KV_LEN, *(legal_block(b, n) if b >= n else b
+                                           for b, n in zip(block_size, (Q_LEN, KV_LEN))))
+    state = guards.read_state(mask_mod)
+    plan = None
+    if state.record is not None:
+        plan = _PLANS.get((state.record, sizes, jax.default_backend()))
+    if plan is None:
+        plan = _plan(mask_mod, sizes, state)
+    mask = plan.program(guards.fetch(plan.sources, state.arrays))
+    return dataclasses.replace(mask, block_size=block_size, mask_mod=mask_mod)
 
 
 def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int,

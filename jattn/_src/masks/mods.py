@@ -2,18 +2,35 @@
 
 mask_mod(b, h, q_idx, kv_idx) -> bool and score_mod(score, b, h, q_idx, kv_idx) -> score are
 evaluated elementwise on broadcastable int32 index arrays (float32 scores), in kernels and in the
-XLA path alike. Arrays the returned functions close over (slopes, tables, segment ids) become
-kernel inputs, and score_mod captures receive gradients.
+XLA path alike. Arrays the returned mods hold (slopes, tables, segment ids) become kernel
+inputs, and score_mod captures receive gradients.
+
+The mods with parameters are pytrees (frozen dataclasses): their arrays are leaves, so a
+BlockMask holding one passes new ids through `jax.jit` as arguments (no retrace), and an eager
+call recognises a new mod of the same kind and shapes as one it has planned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jattn._src.masks.block_mask import MaskMod
+
+
+def _library_mod(helper: str):
+    """A frozen dataclass mod, registered as a pytree whose fields are all children, named
+    `helper` in messages (`mod_name`)."""
+    def register(cls):
+        cls = dataclasses.dataclass(frozen=True, eq=False)(cls)  # hashed by identity
+        cls.mod_name = helper
+        fields = [f.name for f in dataclasses.fields(cls)]
+        return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    return register
 
 
 # ---- masks ---------------------------------------------------------------------------------------
@@ -63,11 +80,15 @@ def sliding_window(window: int) -> MaskMod:
     """
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"sliding_window: `window` must be a positive int, got {window!r}.")
+    return _SlidingWindow(window)
 
-    def sliding_window_mask(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
-    return sliding_window_mask
+@_library_mod("jattn.masks.sliding_window")
+class _SlidingWindow:
+    window: int
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < self.window)
 
 
 def prefix_lm(prefix_length: int) -> MaskMod:
@@ -84,10 +105,15 @@ def prefix_lm(prefix_length: int) -> MaskMod:
         dense = jattn.create_mask(jattn.masks.prefix_lm(2), None, None, 4, 4)
         print(dense[0, 0, 0])  # [ True  True False False]; dense is bool (1, 1, 4, 4)
     """
-    def prefix_lm_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < prefix_length) | (q_idx >= kv_idx)
+    return _PrefixLM(prefix_length)
 
-    return prefix_lm_mask
+
+@_library_mod("jattn.masks.prefix_lm")
+class _PrefixLM:
+    prefix_length: Any
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return (kv_idx < self.prefix_length) | (q_idx >= kv_idx)
 
 
 def document_mask(segment_ids: jax.Array) -> MaskMod:
@@ -113,12 +139,18 @@ def document_mask(segment_ids: jax.Array) -> MaskMod:
         raise ValueError(f"document_mask: `segment_ids` must be an int array [L] or [B, L], got "
                          f"{segment_ids.dtype}{list(segment_ids.shape)}.")
 
-    def document_mask_mod(b, h, q_idx, kv_idx):
-        if segment_ids.ndim == 1:
-            return segment_ids[q_idx] == segment_ids[kv_idx]
-        return segment_ids[b, q_idx] == segment_ids[b, kv_idx]
+    return _DocumentMask(segment_ids)
 
-    return document_mask_mod
+
+@_library_mod("jattn.masks.document_mask")
+class _DocumentMask:
+    segment_ids: jax.Array
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        ids = self.segment_ids
+        if ids.ndim == 1:
+            return ids[q_idx] == ids[kv_idx]
+        return ids[b, q_idx] == ids[b, kv_idx]
 
 
 def and_masks(*masks: MaskMod) -> MaskMod:
@@ -137,10 +169,15 @@ def and_masks(*masks: MaskMod) -> MaskMod:
         mask = jattn.create_block_mask(mask_mod, None, None, 256, 256, block_size=64)
         print(mask.shape)  # (1, 1, 256, 256)
     """
-    def and_mask(b, h, q_idx, kv_idx):
-        return functools.reduce(jnp.logical_and, (m(b, h, q_idx, kv_idx) for m in masks))
+    return _AndMasks(masks)
 
-    return and_mask
+
+@_library_mod("jattn.masks.and_masks")
+class _AndMasks:
+    masks: tuple
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return functools.reduce(jnp.logical_and, (m(b, h, q_idx, kv_idx) for m in self.masks))
 
 
 def or_masks(*masks: MaskMod) -> MaskMod:
@@ -159,10 +196,15 @@ def or_masks(*masks: MaskMod) -> MaskMod:
         mask = jattn.create_block_mask(mask_mod, None, None, 256, 256, block_size=32)
         print(mask.shape)  # (1, 1, 256, 256)
     """
-    def or_mask(b, h, q_idx, kv_idx):
-        return functools.reduce(jnp.logical_or, (m(b, h, q_idx, kv_idx) for m in masks))
+    return _OrMasks(masks)
 
-    return or_mask
+
+@_library_mod("jattn.masks.or_masks")
+class _OrMasks:
+    masks: tuple
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return functools.reduce(jnp.logical_or, (m(b, h, q_idx, kv_idx) for m in self.masks))
 
 
 # ---- score mods ----------------------------------------------------------------------------------
@@ -183,11 +225,15 @@ def alibi(slopes: jax.Array):
         out = jattn.flex_attention(q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(4)))
         print(out.shape)  # (1, 4, 128, 32)
     """
-    slopes = jnp.asarray(slopes)
-    def alibi_mod(score, b, h, q_idx, kv_idx):
-        return score + slopes[h] * (kv_idx - q_idx).astype(score.dtype)
+    return _Alibi(jnp.asarray(slopes))
 
-    return alibi_mod
+
+@_library_mod("jattn.mods.alibi")
+class _Alibi:
+    slopes: jax.Array
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return score + self.slopes[h] * (kv_idx - q_idx).astype(score.dtype)
 
 
 def alibi_slopes(num_heads: int) -> jax.Array:
@@ -222,10 +268,15 @@ def softcap(cap: float):
         out = jattn.flex_attention(q, k, v, jattn.mods.softcap(50.0))
         print(out.shape, out.dtype)  # (1, 2, 128, 32) bfloat16
     """
-    def softcap_mod(score, b, h, q_idx, kv_idx):
-        return cap * jnp.tanh(score / cap)
+    return _Softcap(cap)
 
-    return softcap_mod
+
+@_library_mod("jattn.mods.softcap")
+class _Softcap:
+    cap: Any
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.cap * jnp.tanh(score / self.cap)
 
 
 def relative_position_bias(table: jax.Array):
@@ -246,11 +297,14 @@ def relative_position_bias(table: jax.Array):
             q, k, v, jattn.mods.relative_position_bias(t)).sum()
         print(jax.grad(loss)(table).shape)  # (2, 17)
     """
-    table = jnp.asarray(table)
-    radius = (table.shape[-1] - 1) // 2
+    return _RelativePositionBias(jnp.asarray(table))
 
-    def relative_bias_mod(score, b, h, q_idx, kv_idx):
+
+@_library_mod("jattn.mods.relative_position_bias")
+class _RelativePositionBias:
+    table: jax.Array
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        radius = (self.table.shape[-1] - 1) // 2
         offset = jnp.clip(kv_idx - q_idx, -radius, radius) + radius
-        return score + table[h, offset].astype(score.dtype)
-
-    return relative_bias_mod
+        return score + self.table[h, offset].astype(score.dtype)

@@ -15,6 +15,8 @@ import pathlib
 import tempfile
 from typing import Any
 
+from jattn._src.programs import register_cache
+
 CACHE_DIR_ENV = "JATTN_CACHE_DIR"
 
 
@@ -40,6 +42,9 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[str, Any]]:
         return json.loads(pathlib.Path(path).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
+
+
+register_cache("tuning.files", _parsed.cache_clear)
 
 
 def lookup(op: str, key: str) -> dict[str, Any] | None:

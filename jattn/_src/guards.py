@@ -1,0 +1,205 @@
+"""Guards: what a user function reads besides array values, recorded cheaply on every call.
+
+A mod or epilogue is usually a fresh closure every call, and what it computes can change
+without its code changing (a rebound global, a new scalar in a closure). Tracing it tells
+exactly what it computes, but costs milliseconds. `read_state` instead walks what the function
+can read — its code, closure cells, default arguments, the globals its code names (and the
+attributes of a user module it names), a partial's arguments, a bound method's object,
+pytree nodes, dataclass fields and containers — and records every Python value by value, every
+function by its code, every array by shape and dtype. The arrays themselves are collected in
+walk order. Equal records mean the function computes the same thing of those arrays, so a
+call plan stored under the record (`jattn._src.programs`) is reused without tracing, with the
+arrays read from this call's function.
+
+A value the walk cannot record — an object of no known structure, a structure past
+`MAX_VALUES` values — gives no record: such calls trace every time, never reuse a stale plan.
+Values a function reads from arrays in Python while it is traced (`int(ids[0])`) are, as
+under `jax.jit`, taken when it is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+# Values one record may hold: a closure over a model object is not walked whole every call.
+MAX_VALUES = 512
+
+# Modules whose functions and objects are library code: recorded by identity, never walked.
+_LIBRARY_MODULES = ("jax", "jaxlib", "numpy", "math", "builtins", "functools", "operator",
+                    "jattn", "typing", "collections", "enum", "dataclasses", "torch")
+
+
+class _Unrecordable(Exception):
+    """A value the walk cannot record."""
+
+
+class State(NamedTuple):
+    """What some user functions read: `record` (hashable; None when some value cannot be
+    recorded) and the arrays they can read, in walk order."""
+
+    record: Hashable | None
+    arrays: list
+
+
+def read_state(*fns: Any) -> State:
+    """The State of `fns` (None entries allowed)."""
+    walker = _Walker()
+    try:
+        record = tuple(walker.walk(fn) for fn in fns)
+    except (_Unrecordable, RecursionError):
+        return State(None, walker.arrays)
+    return State(record, walker.arrays)
+
+
+def _is_library(value: Any) -> bool:
+    module = getattr(value, "__module__", None) or ""
+    return module.split(".")[0] in _LIBRARY_MODULES
+
+
+class _Walker:
+    def __init__(self):
+        self.arrays: list = []
+        self.count = 0
+        self.active: set[int] = set()  # functions being walked: recursion ends there
+
+    def walk(self, value: Any) -> Hashable:
+        self.count += 1
+        if self.count > MAX_VALUES:
+            raise _Unrecordable
+        kind = type(value)
+        if value is None or kind in (bool, int, str, bytes):
+            return (kind, value)
+        if kind is float:
+            return (float, value.hex())  # -0.0 and NaN recorded as they are
+        if isinstance(value, (jax.Array, np.ndarray)):
+            self.arrays.append(value)
+            return ("array", value.shape, str(value.dtype), getattr(value, "weak_type", False))
+        if isinstance(value, np.generic):
+            return ("scalar", str(value.dtype), value.tobytes())
+        if kind in (tuple, list):
+            return (kind, tuple(self.walk(x) for x in value))
+        if kind is dict:
+            return (dict, tuple((self.walk(k), self.walk(v)) for k, v in value.items()))
+        if isinstance(value, types.FunctionType):  # jattn's own closures are walked too
+            library = _is_library(value) and not value.__module__.startswith("jattn")
+            return _identity(value) if library else self._function(value)
+        if isinstance(value, functools.partial):
+            return ("partial", self.walk(value.func), self.walk(value.args),
+                    self.walk(value.keywords))
+        if isinstance(value, types.MethodType):
+            return ("method", self.walk(value.__func__), self.walk(value.__self__))
+        if isinstance(value, types.ModuleType):
+            return ("module", value.__name__)
+        if isinstance(value, (type, enum.Enum)):
+            return _identity(value)
+        return self._structure(value)
+
+    def _function(self, fn: types.FunctionType) -> Hashable:
+        if id(fn) in self.active:
+            return ("recursive", fn.__code__)
+        self.active.add(id(fn))
+        try:
+            code = fn.__code__
+            cells = tuple(self.walk(_cell(c)) for c in fn.__closure__ or ())
+            names = _global_names(code)
+            namespace = fn.__globals__
+            globals_ = tuple((name, self._global(namespace[name], names))
+                             for name in names if name in namespace)
+            return ("function", code, self.walk(fn.__defaults__),
+                    self.walk(fn.__kwdefaults__), cells, globals_)
+        finally:
+            self.active.discard(id(fn))
+
+    def _global(self, value: Any, names: frozenset[str]) -> Hashable:
+        """A global the code names; of a user module, the attributes the code names too
+        (`config.WINDOW` reads `config`'s WINDOW)."""
+        if isinstance(value, types.ModuleType) and (
+                value.__name__.split(".")[0] not in _LIBRARY_MODULES):
+            return ("module", value.__name__, tuple(
+                (name, self.walk(getattr(value, name))) for name in sorted(names)
+                if hasattr(value, name) and not isinstance(getattr(value, name),
+                                                           types.ModuleType)))
+        return self.walk(value)
+
+    def _structure(self, value: Any) -> Hashable:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        if not (len(leaves) == 1 and leaves[0] is value):  # a registered pytree node
+            return ("pytree", treedef, tuple(self.walk(x) for x in leaves))
+        if _is_library(value):
+            return _identity(value)  # library code (jnp's ufuncs, ...)
+        guarded = getattr(value, "guard_record", None)
+        if callable(guarded):  # an object that states what it computes (a translated mod)
+            return ("stated", guarded())
+        if dataclasses.is_dataclass(value):
+            return ("dataclass", type(value), tuple(
+                (f.name, self.walk(getattr(value, f.name))) for f in dataclasses.fields(value)))
+        if isinstance(value, types.SimpleNamespace):
+            return ("namespace", self.walk(vars(value)))
+        raise _Unrecordable
+
+
+def _identity(value: Any) -> Hashable:
+    """Library code, classes and enum members: recorded as themselves (by identity)."""
+    try:
+        hash(value)
+    except TypeError:
+        raise _Unrecordable from None
+    return ("object", value)
+
+
+def _cell(cell) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell (a name assigned after the function was made)
+        return _EMPTY
+
+
+_EMPTY = ("empty cell",)
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The names `code` and the code nested in it (lambdas, comprehensions) may look up as
+    globals or attributes."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return frozenset(names)
+
+
+def fetch(sources: tuple, arrays: list) -> list:
+    """Values from `sources` (`sources_of`): this call's arrays by position, fixed values
+    as stored."""
+    return [arrays[i] if kind == "array" else i for kind, i in sources]
+
+
+def sources_of(values: list, arrays: list) -> tuple | None:
+    """Where each of `values` (a trace's captured arrays) comes from on a later call: an index
+    into the State's `arrays` (the same array, or a NumPy array's view), or a value the trace
+    made itself (stored). None when a value is neither (a traced value from an outer
+    transformation: the plan would hold it past the call)."""
+    index = {id(a): i for i, a in enumerate(arrays)}
+    sources = []
+    for value in values:
+        position = index.get(id(value), index.get(id(getattr(value, "base", None))))
+        if position is not None:
+            sources.append(("array", position))
+        elif isinstance(value, jax.core.Tracer):
+            return None
+        else:
+            sources.append(("value", value))
+    return tuple(sources)
+
+
+def unrecordable(fn: Callable) -> bool:
+    """Whether calls with `fn` trace every time (for tests and `explain`)."""
+    return read_state(fn).record is None
