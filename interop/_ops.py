@@ -225,10 +225,6 @@ def decode_config(text: str | None) -> tuple[jattn.AttentionConfig | None, str |
     return config, precision
 
 
-_FLEX_STATIC = ("mods", "block_size", "seq_lengths", "scale", "enable_gqa", "implementation",
-                "config")
-
-
 @functools.lru_cache(maxsize=256)  # bounded: mods re-translated after a changed scalar add keys
 def _flex_program(return_lse: bool, **static) -> Callable:
     """The jitted forward for one set of static options (bound, not passed per call: cheaper
@@ -240,7 +236,6 @@ def _flex_program(return_lse: bool, **static) -> Callable:
     return jax.jit(forward)
 
 
-@functools.partial(jax.jit, static_argnames=_FLEX_STATIC)
 def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **static):
     """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse;
     a cotangent that is None (an output autograd saw no gradient for) counts as zeros."""
@@ -370,9 +365,15 @@ def _flex_gradients(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, mod
     static = _flex_static(device, flex_facts(leading[2], leading[4], mods, capture_arrays),
                           mods, block_size, seq_lengths, scale, enable_gqa, implementation,
                           config)
-    grads = run(functools.partial(_flex_backward, **static), device, *leading, lists,
-                capture_arrays)
+    grads = run(_backward_program(**static), device, *leading, lists, capture_arrays)
     return [to_torch(g, device) for g in grads]
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_program(**static) -> Callable:
+    """The jitted _flex_backward with its static options bound (dispatching them as static
+    arguments costs more per call)."""
+    return jax.jit(functools.partial(_flex_backward, **static))
 
 
 flex_attention = torch.library.custom_op("jattn::flex_attention", mutates_args=())(
@@ -440,14 +441,19 @@ class _EagerFlex(torch.autograd.Function):
             # strided input)
             ctx.arrays = *qkv, out, lse
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
-        ctx.masks, ctx.static = masks, plan.static
+        ctx.masks, ctx.plan = masks, plan
         return (out_tensor, lse_tensor) if return_lse else out_tensor
 
     @staticmethod
     def backward(ctx, d_out, d_lse=None):
         _, _, _, _, *captures = ctx.saved_tensors  # (checks that none changed in place)
-        grads = iter(_flex_backward_op(d_out, d_lse, *ctx.arrays, ctx.masks, captures,
-                                       *ctx.static))
+        plan = ctx.plan
+        with x64_scope(d_out):  # the plan's backward: resolved once, with the forward
+            device, leading, lists, capture_arrays = ready_op_views(
+                "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, *ctx.arrays), ctx.masks,
+                captures)
+            grads = iter([to_torch(g, device) for g in run(
+                plan.backward, device, *leading, lists, capture_arrays)])
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
         return None, None, None, dq, dk, dv, *d_captures
@@ -475,7 +481,8 @@ class FlexPlan:
     static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
     implementation as given, config). names: the argument names of (q, k, v, kv-major mask lists,
     captured tensors), for errors. forward, forward_lse: the jitted programs (q, k, v, mask
-    arrays, capture arrays) -> out, or (out, lse). direct: for the Pallas kernels on CUDA,
+    arrays, capture arrays) -> out, or (out, lse). backward: the jitted `_flex_backward` of the
+    same options. direct: for the Pallas kernels on CUDA,
     the two as `DirectProgram`s on (q, k, v, kv-major lists, captures), launched without JAX
     where they are one kernel; else None.
     """
@@ -484,6 +491,7 @@ class FlexPlan:
     names: tuple[str, ...]
     forward: Callable
     forward_lse: Callable
+    backward: Callable
     direct: tuple[DirectProgram, DirectProgram] | None
 
 
@@ -514,7 +522,7 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
             return (*tensors[:3], tensors[3:n], tensors[n:])
         direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)
     plan = FlexPlan(static, tensor_names(_FORWARD_TENSORS, n_lists, n_captures, kv_only=True),
-                    forward, forward_lse, direct)
+                    forward, forward_lse, _backward_program(**options), direct)
     with _PLANS_LOCK:
         FLEX_PLANS[key] = plan
         while len(FLEX_PLANS) > _MAX_FLEX_PLANS:
@@ -526,6 +534,7 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
 for _name, _clear in (("torch.flex_programs", _flex_program.cache_clear),
                       ("torch.tensor_names", tensor_names.cache_clear),
                       ("torch.unreadable_capture", _unreadable_capture.cache_clear),
+                      ("torch.flex_backward_programs", _backward_program.cache_clear),
                       ("torch.flex_plans", FLEX_PLANS.clear)):
     bridge.register_cache(_name, _clear)
 

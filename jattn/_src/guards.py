@@ -54,7 +54,8 @@ def read_state(*fns: Any) -> State:
     walker = _Walker()
     try:
         record = tuple(walker.walk(fn) for fn in fns)
-    except (_Unrecordable, RecursionError):
+        hash(record)  # (a pytree's static data, say, may not hash)
+    except (_Unrecordable, RecursionError, TypeError):
         return State(None, walker.arrays)
     return State(record, walker.arrays)
 

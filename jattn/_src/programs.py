@@ -38,7 +38,15 @@ def register_cache(name: str, clear: Callable[[], None]) -> None:
 def clear_caches() -> None:
     """Empties every cache jattn keeps: compiled programs, call plans, translated torch mods,
     tuning results read from disk. Later calls trace and compile again. (JAX's own caches
-    are `jax.clear_caches()`'s.)"""
+    are `jax.clear_caches()`'s.)
+
+    Example::
+
+        q = jnp.ones((1, 2, 64, 16))
+        jattn.flex_attention(q, q, q)  # compiles a program, plans the call
+        jattn.clear_caches()           # frees them
+        print(jattn.flex_attention(q, q, q).shape)  # (1, 2, 64, 16), compiled again
+    """
     for clear in list(_CACHES.values()):
         clear()
 

@@ -1,0 +1,198 @@
+"""Guards: what a mod reads, recorded so that equal records compute the same thing. Every
+kind of state a user changes between calls changes the record (or leaves none); eager calls
+skip tracing only when it is equal, and stay correct when state changes."""
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn._src import guards, user_functions
+
+SCALE = 2.0
+
+
+def _global_mod(s, b, h, q_idx, kv_idx):
+    return s * SCALE
+
+
+def _closure(value):
+    return lambda s, b, h, q_idx, kv_idx: s * value
+
+
+def _record(fn):
+    return guards.read_state(fn).record
+
+
+def test_equal_state_gives_equal_records_and_collects_arrays():
+    table = jnp.ones(4)
+    first, second = (lambda s, b, h, q, kv: s + table[h] for _ in range(2))
+    assert _record(first) == _record(second) is not None
+    assert guards.read_state(first).arrays[0] is table
+    # a new array of the same shape: the same record; another shape or code: another one
+    assert _record(_closure(jnp.zeros(4))) == _record(_closure(jnp.ones(4)))
+    assert _record(_closure(jnp.ones(5))) != _record(_closure(jnp.ones(4)))
+    assert _record(lambda s, b, h, q, kv: s * table[h]) != _record(first)
+
+
+@pytest.mark.parametrize("change", ["closure", "global", "default", "partial", "method",
+                                    "module attribute", "dict entry", "-0.0"])
+def test_every_kind_of_changed_value_changes_the_record(change):
+    global SCALE
+    module = types.ModuleType("user_config")
+    module.CAP = 1.0
+    namespace = {"config": module, "jnp": jnp}
+    exec("def reads_module(s, b, h, q_idx, kv_idx):\n    return s * config.CAP", namespace)
+
+    @dataclasses.dataclass
+    class Scaler:
+        factor: float
+
+        def apply(self, s, b, h, q_idx, kv_idx):
+            return s * self.factor
+
+    state = {"factor": 1.0}
+    makers = {
+        "closure": lambda x: _closure(x),
+        "global": lambda x: _global_mod,
+        "default": lambda x: (lambda s, b, h, q, kv, f=x: s * f),
+        "partial": lambda x: functools.partial(lambda s, b, h, q, kv, f: s * f, f=x),
+        "method": lambda x: Scaler(x).apply,
+        "module attribute": lambda x: namespace["reads_module"],
+        "dict entry": lambda x: (lambda s, b, h, q, kv: s * state["factor"]),
+        "-0.0": lambda x: _closure(x),
+    }
+    values = (0.0, -0.0) if change == "-0.0" else (1.0, 3.0)
+    records = []
+    for value in values:
+        SCALE, module.CAP, state["factor"] = value, value, value
+        records.append(_record(makers[change](value)))
+    SCALE = 2.0
+    assert None not in records and records[0] != records[1]
+
+
+def test_objects_of_unknown_structure_leave_no_record():
+    class Holder:
+        scale = 2.0
+
+    holder = Holder()
+    assert _record(lambda s, b, h, q, kv: s * holder.scale) is None
+    huge = list(range(guards.MAX_VALUES + 1))
+    assert _record(lambda s, b, h, q, kv: s + huge[0]) is None
+
+
+def test_library_mods_are_pytrees_recorded_by_their_arrays():
+    mask = jattn.masks.and_masks(jattn.masks.causal_mask,
+                                 jattn.masks.document_mask(jnp.zeros(8, jnp.int32)))
+    state = guards.read_state(mask)
+    assert state.record is not None and len(state.arrays) == 1
+    again = jattn.masks.and_masks(jattn.masks.causal_mask,
+                                  jattn.masks.document_mask(jnp.ones(8, jnp.int32)))
+    assert _record(again) == state.record
+    window = jattn.masks.sliding_window(4)
+    assert _record(window) != _record(jattn.masks.sliding_window(5))
+
+
+def test_numpy_arrays_map_to_their_trace_constants():
+    ids = np.arange(8, dtype=np.int32)
+
+    def mod(b, h, q_idx, kv_idx):
+        return jnp.asarray(ids)[q_idx] == kv_idx
+
+    state = guards.read_state(mod)
+    closed = jax.make_jaxpr(mod)(*[jax.ShapeDtypeStruct((1,), jnp.int32)] * 4)
+    assert guards.sources_of(list(closed.consts), state.arrays) == (("array", 0),)
+
+
+# ---- eager calls ---------------------------------------------------------------------------
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts user-function traces (the slow path)."""
+    seen = []
+    trace = user_functions.CaptureSet.trace
+
+    def counted(self, fn, signature):
+        seen.append(fn)
+        return trace(self, fn, signature)
+
+    monkeypatch.setattr(user_functions.CaptureSet, "trace", counted)
+    return seen
+
+
+def _qkv():
+    rng = np.random.default_rng(0)
+    return [jnp.asarray(rng.standard_normal((1, 2, 64, 16)), jnp.float32) for _ in range(3)]
+
+
+def test_a_warm_eager_call_traces_nothing_and_reads_new_arrays(traces):
+    q, k, v = _qkv()
+    for step in range(3):
+        bias = jnp.full((2,), float(step))
+        out = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + bias[h] * ki,
+                                   implementation="xla")
+        expected = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + step * ki,
+                                        implementation="xla")
+        np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
+        if step == 0:
+            traced = len(traces)
+    # the warm calls traced only `expected`'s new constants (a new scalar each step)
+    assert len(traces) - traced == 2
+
+
+def test_unrecordable_and_edited_state_is_never_stale():
+    q, k, v = _qkv()
+
+    class Config:
+        cap = 30.0
+
+    config = Config()
+    ids = np.zeros(64, np.int32)
+
+    def mod(s, b, h, qi, ki):
+        return config.cap * jnp.tanh(s / config.cap) + jnp.asarray(ids)[ki]
+
+    outputs = []
+    for cap in (30.0, 0.5):
+        config.cap = cap
+        ids[:] = int(cap)  # edited in place
+        outputs.append(jattn.flex_attention(q, k, v, mod, implementation="xla"))
+        expected = jattn.flex_attention(
+            q, k, v, lambda s, *_: cap * jnp.tanh(s / cap) + int(cap), implementation="xla")
+        np.testing.assert_allclose(outputs[-1], expected, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(outputs[0], outputs[1])
+
+
+def test_create_block_mask_with_new_ids_each_step_neither_traces_nor_compiles(traces):
+    compiles = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    L, block = 256, 32
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        ids = jnp.asarray(np.sort(rng.integers(0, 4, L)), jnp.int32)
+        mask_mod = jattn.masks.and_masks(jattn.masks.causal_mask,
+                                         jattn.masks.document_mask(ids))
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            mask = jattn.create_block_mask(mask_mod, None, None, L, L, block_size=block)
+            jax.block_until_ready(mask.kv_indices)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        if step == 0:
+            first_compiles, first_traces = len(compiles), len(traces)
+        per_block = np.asarray(jattn.create_mask(mask_mod, None, None, L, L)).reshape(
+            1, 1, L // block, block, L // block, block)
+        np.testing.assert_array_equal(mask.full_blocks(), per_block.all(axis=(3, 5)))
+        np.testing.assert_array_equal(mask.partial_blocks() | mask.full_blocks(),
+                                      per_block.any(axis=(3, 5)))
+    assert first_compiles >= 1
+    assert (len(compiles), len(traces)) == (first_compiles, first_traces)
