@@ -78,15 +78,16 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, Ev: int, kv_dtype) -> None:
 
 
 def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
-    """kv_len as int32 [B] (None: S everywhere) and, under jit, a [B] mask of bad entries
-    (None when every value was checked here): a length outside [0, S], or, with a cache, a page
-    below the length that is unassigned or outside the pool. Known bad values raise. Known
-    values are checked in numpy (an eager call then runs no device op for them)."""
+    """(kv_len as int32 [B] (None: S everywhere), checked): values the host holds (an int,
+    numpy, a JAX array on the CPU) are checked here and bad ones raise: a length outside
+    [0, S], or, with a cache, a page below the length that is unassigned or outside the pool.
+    Others (traced, or on an accelerator, which the host would wait for) are checked by the
+    program, which makes the rows of bad sequences NaN (checked False)."""
     if kv_len is None:
         # numpy: under jit a constant, not a broadcast XLA runs as a kernel of its own per call
         kv_len = np.full((B,), S, np.int32)
         if cache is None:
-            return kv_len, None
+            return kv_len, True
     elif not isinstance(kv_len, (int, np.integer)) and (
             not hasattr(kv_len, "dtype") or not jnp.issubdtype(kv_len.dtype, jnp.integer)
             or jnp.ndim(kv_len) > 1 or (jnp.ndim(kv_len) == 1 and jnp.shape(kv_len)[0] not in (
@@ -95,30 +96,44 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
                          f"{getattr(kv_len, 'dtype', type(kv_len).__name__)}"
                          f"{list(jnp.shape(kv_len))}.")
     table = None if cache is None else cache.page_table
-    known = [concrete(x) for x in (kv_len, table)]
+    known = [_on_host(kv_len), None if table is None else _on_host(table)]
     if not any(x is None for x in known[:1 + (cache is not None)]):
         lengths = np.broadcast_to(known[0].astype(np.int32), (B,))
-        bad = _bad_lengths(np, lengths, S, cache, known[1])
+        page_size, num_pages = (None, None) if cache is None else (cache.page_size,
+                                                                     cache.num_pages)
+        bad = _bad_lengths(np, lengths, S, page_size, num_pages, known[1])
         if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(f"flex_decode: kv_len[{b}] = {int(lengths[b])} is outside [0, {S}] "
                              "(the cache length) or reaches a page the page table leaves "
                              "unassigned or points outside the pool.")
         if isinstance(kv_len, jax.Array) and kv_len.dtype == jnp.int32 and kv_len.shape == (B,):
-            return kv_len, None  # already on the device as the kernels read it
-        return np.ascontiguousarray(lengths), None
-    kv_len = jnp.broadcast_to(jnp.asarray(kv_len).astype(jnp.int32), (B,))
-    return kv_len, _bad_lengths(jnp, kv_len, S, cache, table)
+            return kv_len, True  # already an array as the kernels read it
+        return np.ascontiguousarray(lengths), True
+    if not (isinstance(kv_len, jax.Array) and kv_len.dtype == jnp.int32
+            and kv_len.shape == (B,)):
+        kv_len = jnp.broadcast_to(jnp.asarray(kv_len).astype(jnp.int32), (B,))
+    return kv_len, False
 
 
-def _bad_lengths(xp, lengths, S: int, cache: PagedKVCache | None, table):
+def _on_host(x) -> np.ndarray | None:
+    """x as numpy where the host has its value for free; None for a traced value or an array
+    on an accelerator."""
+    if isinstance(x, jax.Array) and (isinstance(x, jax.core.Tracer) or any(
+            d.platform != "cpu" for d in x.devices())):
+        return None
+    return concrete(x)
+
+
+def _bad_lengths(xp, lengths, S: int, page_size: int | None, num_pages: int | None,
+                 table):
     """[B] bool: lengths outside [0, S] or reaching a page that is unassigned or outside the
-    pool; xp: numpy for known values, jax.numpy under jit."""
+    pool (a paged cache: page_size, num_pages and its table); xp: numpy for values on the
+    host, jax.numpy in a program."""
     bad = (lengths < 0) | (lengths > S)
-    if cache is not None:
-        needed = xp.arange(table.shape[1]) < ((lengths + cache.page_size - 1)
-                                              // cache.page_size)[:, None]
-        outside = (table < 0) | (table >= cache.num_pages)
+    if table is not None:
+        needed = xp.arange(table.shape[1]) < ((lengths + page_size - 1) // page_size)[:, None]
+        outside = (table < 0) | (table >= num_pages)
         bad = bad | (needed & outside).any(axis=1)
     return bad
 
@@ -171,14 +186,19 @@ def _problem_key(p: DecodeProblem) -> tuple:
     return fields + tuple(None if f is None else f.key for f in (p.mods.score, p.mods.mask))
 
 
-def _kernel_program(p: DecodeProblem, precision: str | None) -> Callable:
-    """The jitted split-KV decode of p at `precision` (made once per problem key)."""
-    key = (_problem_key(p), precision)
+def _kernel_program(p: DecodeProblem, precision: str | None, check: bool) -> Callable:
+    """The jitted split-KV decode of p at `precision` (made once per problem key); with
+    `check`, it finds the bad sequences of kv_len (`bad_lengths`) itself."""
+    key = (_problem_key(p), precision, check)
     program = _PROGRAMS.get(key)
     if program is None:
         stripped = dataclasses.replace(p, mods=without_captures(p.mods))
 
-        def run(q, k, v, kv_len, table, lists, score_caps, mask_caps, bad):
+        def run(q, k, v, kv_len, table, lists, score_caps, mask_caps):
+            bad = None
+            if check:
+                lengths = jnp.full((p.B,), p.S, jnp.int32) if kv_len is None else kv_len
+                bad = _bad_lengths(jnp, lengths, p.S, p.page_size, p.num_pages, table)
             q, k, v, score_caps = _no_gradient((q, k, v, score_caps))
             with precision_applied(precision):
                 return pallas_triton_split_kv.forward(stripped, q, k, v, kv_len, table, lists,
@@ -235,10 +255,11 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         out = jattn.flex_decode(q, k_cache, v_cache, kv_len=lengths)
         print(out.shape)  # (2, 8, 1, 64)
 
-    Bad values raise ValueError when known (eager calls): kv_len outside [0, S], a page below
-    kv_len unassigned or outside the pool. Under jit, where they cannot be checked, the rows of
-    such a sequence come out NaN; nothing is read or written out of bounds either way. Not
-    differentiable: jax.grad raises (use flex_attention to train).
+    Bad values raise ValueError where the host holds them (an int, numpy, arrays on the CPU):
+    kv_len outside [0, S], a page below kv_len unassigned or outside the pool. Under jit, and
+    for arrays on an accelerator (not read back: the host would wait for the device on every
+    call), the rows of such a sequence come out NaN; nothing is read or written out of bounds
+    either way. Not differentiable: jax.grad raises (use flex_attention to train).
     """
     q = q if isinstance(q, jax.Array) else jnp.asarray(q)
     cache = k if isinstance(k, PagedKVCache) else None
@@ -253,7 +274,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     scale = canonical_scale(_OP, scale, E)
     precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
-    kv_len, bad = _lengths(kv_len, B, S, cache)
+    kv_len, checked = _lengths(kv_len, B, S, cache)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     state = guards.read_state(score_mod, mask_mod)
     # Query positions: kv_len - Lq + i (negative ones attend to nothing).
@@ -266,6 +287,9 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)
         lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
     elif not implementation.backend.pallas or Lq > MAX_DECODE_QUERIES:
+        bad = None if checked else _bad_lengths(
+            jnp, jnp.asarray(kv_len), S, dims.page_size, dims.num_pages,
+            None if cache is None else cache.page_table)
         out, lse = _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale,
                                implementation, precision)
     else:
@@ -274,13 +298,13 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         else:
             table = None
         program, score_caps, mask_caps = _kernel_plan(
-            q, k, v, table, score_mod, block_mask, dims, static_length, scale, config,
-            implementation, precision, state)
+            q, k, v, table, score_mod, block_mask, dims, static_length, not checked, scale,
+            config, implementation, precision, state)
         lists = [] if block_mask is None else block_mask.lists().major("kv")
         # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
         # jit each XLA op here would be a kernel launch of its own per call.
         out, lse = program(q, k, v, None if static_length else kv_len, table, lists,
-                           score_caps, mask_caps, bad)
+                           score_caps, mask_caps)
     return (out, lse) if return_lse else out
 
 
@@ -348,8 +372,8 @@ class _Plan:
 _PLANS: ProgramCache[_Plan] = ProgramCache("flex_decode.plans")
 
 
-def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_length, scale,
-                 config, implementation, precision, state: guards.State):
+def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_length, check,
+                 scale, config, implementation, precision, state: guards.State):
     """(program, score captures, mask captures) of a call on the split-KV kernel: an eager
     call whose mods read what an earlier one's read reuses its plan; otherwise the mods are
     traced at the kernel's tiles."""
@@ -358,7 +382,7 @@ def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_leng
     key = None
     if eager and state.record is not None:
         key = (state.record, q.shape, q.dtype, dims, None if table is None else table.shape,
-               static_length, scale, config, implementation.name, precision,
+               static_length, check, scale, config, implementation.name, precision,
                None if block_mask is None else (
                    block_mask.block_size, block_mask.kv_num_blocks.shape,
                    block_mask.full_kv_num_blocks is None))
@@ -378,7 +402,7 @@ def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_leng
         score_set=score_set, mask_set=mask_set, static_length=static_length,
         queries_last=True, scale=scale, interpret=implementation.backend.interpret,
         config=config)
-    program = _kernel_program(problem, precision)
+    program = _kernel_program(problem, precision, check)
     score_caps, mask_caps = tuple(score_set.captures), tuple(mask_set.captures)
     if key is not None:
         sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,

@@ -389,14 +389,20 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         y = jattn.matmul(x, w, bias=b, epilogue=lambda t: jax.nn.gelu(t, approximate=True))
         print(y.shape, y.dtype)  # (4, 32, 128) bfloat16
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (a, b))
     check_operands("matmul", a, b, b_max_ndim=2)
     *lead, k = a.shape
     m, n = math.prod(lead), b.shape[1]
     options, captures = make_options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype,
                                      config, implementation, precision=precision)
-    out = jitted(_matmul, options)(a.reshape(m, k), b, bias, captures)
-    return out.reshape(*lead, n)
+    return jitted(_matmul_flattened, options)(a, b, bias, captures)
+
+
+def _matmul_flattened(options: Options, a, b, bias, captures):
+    """_matmul of a [..., M, K], its leading dims flattened into M inside the program (eager
+    reshapes would each be a dispatch of their own)."""
+    *lead, k = a.shape
+    return _matmul(options, a.reshape(-1, k), b, bias, captures).reshape(*lead, b.shape[1])
 
 
 def _broadcast_batch(fn, a, b, batch_ndim: int):
@@ -429,7 +435,7 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         b = jnp.ones((1, 32, 16), jnp.float32)  # [1, K, N]: shared by the batch
         print(jattn.bmm(a, b).shape)  # (4, 64, 16)
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (a, b))
     check_operands("bmm", a, b, b_max_ndim=None)
     try:
         batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])

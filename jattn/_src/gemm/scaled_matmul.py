@@ -120,7 +120,7 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
         out = jattn.scaled_matmul(a, b, scale_a, scale_b)
         print(out.shape, out.dtype, out[0, 0])  # (64, 16) bfloat16 32
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
+    a, b = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (a, b))
     _check_operands(a, b)
     if not isinstance(use_fast_accum, bool):
         raise TypeError(f"{_OP}: `use_fast_accum` must be a bool, got {use_fast_accum!r}.")
