@@ -229,9 +229,10 @@ def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...]):
         guards = _user_guards()
         scalars = [source for guard, source in guards if guard in _SCALAR_GUARDS]
         checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
+        capture_names = tuple(_readable(source, freevars) for source in sources)
         translation = _register(
-            _translate.translate(core, arg_slots, capture_slots, name,
-                                 tuple(_readable(source, freevars) for source in sources)), _reader(sources, namespace),
+            _translate.translate(core, arg_slots, capture_slots, name, capture_names),
+            _reader(sources, namespace),
             _reader(scalars, namespace),
             tuple(guard for guard, _ in guards) if checkable else None,
             _reader([source for _, source in guards], namespace) if checkable else None)

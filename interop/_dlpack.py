@@ -274,8 +274,8 @@ def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:
 def jax_views(fn: str, tensors: Sequence[torch.Tensor | jax.Array | None],
               names: Sequence[str]) -> tuple[torch.device, list[jax.Array | None]]:
     """The one device the torch tensors are on (else a clear error) and their JAX views
-    (`to_jax`; JAX arrays, their shapes on meta, and None pass through), in one pass: ops call it on every call.
-    names: the tensors' argument names, for errors."""
+    (`to_jax`; JAX arrays, their shapes on meta, and None pass through), in one pass: ops
+    call it on every call. names: the tensors' argument names, for errors."""
     first, arrays = None, []
     for tensor, name in zip(tensors, names):
         # The common case first, inline: a tensor whose view is cached (a live entry's id is

@@ -41,20 +41,31 @@ def test_equal_state_gives_equal_records_and_collects_arrays():
 
 
 @pytest.mark.parametrize("change", ["closure", "global", "default", "partial", "method",
-                                    "module attribute", "dict entry", "-0.0"])
+                                    "module attribute", "submodule attribute", "dict entry",
+                                    "-0.0", "class attribute", "function attribute",
+                                    "dataclass class value"])
 def test_every_kind_of_changed_value_changes_the_record(change):
     global SCALE
-    module = types.ModuleType("user_config")
-    module.CAP = 1.0
-    namespace = {"config": module, "jnp": jnp}
-    exec("def reads_module(s, b, h, q_idx, kv_idx):\n    return s * config.CAP", namespace)
+    module, package = types.ModuleType("user_config"), types.ModuleType("user_package")
+    module.CAP, package.config = 1.0, module
+    namespace = {"config": module, "package": package, "jnp": jnp}
+    exec("def reads_module(s, b, h, q_idx, kv_idx):\n    return s * config.CAP\n"
+         "def reads_submodule(s, b, h, q_idx, kv_idx):\n    return s * package.config.CAP",
+         namespace)
+
+    class Settings:
+        FACTOR = 1.0
+
+    def reads_itself(s, b, h, q_idx, kv_idx):
+        return s * reads_itself.factor
 
     @dataclasses.dataclass
     class Scaler:
         factor: float
+        OFFSET = 0.0  # a class value its methods read
 
         def apply(self, s, b, h, q_idx, kv_idx):
-            return s * self.factor
+            return s * self.factor + self.OFFSET
 
     state = {"factor": 1.0}
     makers = {
@@ -64,13 +75,18 @@ def test_every_kind_of_changed_value_changes_the_record(change):
         "partial": lambda x: functools.partial(lambda s, b, h, q, kv, f: s * f, f=x),
         "method": lambda x: Scaler(x).apply,
         "module attribute": lambda x: namespace["reads_module"],
+        "submodule attribute": lambda x: namespace["reads_submodule"],
         "dict entry": lambda x: (lambda s, b, h, q, kv: s * state["factor"]),
         "-0.0": lambda x: _closure(x),
+        "class attribute": lambda x: (lambda s, b, h, q, kv: s * Settings.FACTOR),
+        "function attribute": lambda x: reads_itself,
+        "dataclass class value": lambda x: Scaler(1.0).apply,
     }
     values = (0.0, -0.0) if change == "-0.0" else (1.0, 3.0)
     records = []
     for value in values:
         SCALE, module.CAP, state["factor"] = value, value, value
+        Settings.FACTOR = reads_itself.factor = Scaler.OFFSET = value
         records.append(_record(makers[change](value)))
     SCALE = 2.0
     assert None not in records and records[0] != records[1]
@@ -195,3 +211,34 @@ def test_create_block_mask_with_new_ids_each_step_neither_traces_nor_compiles(tr
                                       per_block.any(axis=(3, 5)))
     assert first_compiles >= 1
     assert (len(compiles), len(traces)) == (first_compiles, first_traces)
+
+
+WINDOW = 4
+
+
+def test_a_rebound_global_is_seen_by_create_block_mask():
+    """JAX caches traces by function: each plan's trace is of a fresh function."""
+    global WINDOW
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    try:
+        counts = []
+        for WINDOW in (4, 40):
+            mask = jattn.create_block_mask(window, None, None, 64, 64, block_size=16)
+            counts.append(int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()))
+    finally:
+        WINDOW = 4
+    assert counts[0] < counts[1]
+
+
+def test_values_of_a_trace_are_never_stored():
+    """A call inside another function's trace (closing over concrete arrays) leaves nothing
+    the next eager call could trip over."""
+    q, k, v = _qkv()
+    odd = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64, block_size=24)
+    inside = jax.jit(lambda x: jattn.flex_attention(q, k, v, block_mask=odd) + x)(0.0)
+    dense = jax.jit(lambda x: jattn.flex_attention(q, k, v) + x)(0.0)
+    np.testing.assert_allclose(jattn.flex_attention(q, k, v, block_mask=odd), inside, atol=1e-6)
+    np.testing.assert_allclose(jattn.flex_attention(q, k, v), dense, atol=1e-6)

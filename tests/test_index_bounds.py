@@ -41,6 +41,7 @@ IN_RANGE = {
     "jnp.take fills": lambda s, b, h, q, kv: s + jnp.take(TABLE, kv, fill_value=0.0),
     "undecidable: ids read from an array": _score(lambda b, h, q, kv: IDS[q]),
     "undecidable: a product": _score(lambda b, h, q, kv: (q * kv) % 16 - 6),
+    "undecidable: a narrowing cast": _score(lambda b, h, q, kv: (kv * 5).astype(jnp.int8)),
 }
 
 
@@ -101,6 +102,9 @@ def test_decode_checks_query_positions_in_the_cache():
     short = jnp.arange(32.0)
     with pytest.raises(ValueError, match="q_idx, which reaches 63"):
         jattn.flex_decode(q, cache, cache, lambda s, b, h, q_idx, kv_idx: s + short[q_idx])
+    # with lengths, the positions are theirs: up to 31 here, in range
+    jattn.flex_decode(q, cache, cache, lambda s, b, h, q_idx, kv_idx: s + short[q_idx],
+                      kv_len=np.asarray([32]))
 
 
 def test_a_repeated_call_skips_the_analysis(monkeypatch):

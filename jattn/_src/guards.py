@@ -3,11 +3,12 @@
 A mod or epilogue is usually a fresh closure every call, and what it computes can change
 without its code changing (a rebound global, a new scalar in a closure). Tracing it tells
 exactly what it computes, but costs milliseconds. `read_state` instead walks what the function
-can read — its code, closure cells, default arguments, the globals its code names (and the
-attributes of a user module it names), a partial's arguments, a bound method's object,
-pytree nodes, dataclass fields and containers — and records every Python value by value, every
-function by its code, every array by shape and dtype. The arrays themselves are collected in
-walk order. Equal records mean the function computes the same thing of those arrays, so a
+can read — its code, closure cells, default arguments and attributes, the globals its code
+names (and, in a user module, the attributes its code names, through submodules), a partial's
+arguments, a bound method's object, pytree nodes, dataclass attributes, a user class's plain
+class values, and containers — and records every Python value by value, every function by its
+code, every array by shape, dtype and weak type. The arrays themselves are collected in walk
+order. Equal records mean the function computes the same thing of those arrays, so a
 call plan stored under the record (`jattn._src.programs`) is reused without tracing, with the
 arrays read from this call's function.
 
@@ -23,7 +24,7 @@ import dataclasses
 import enum
 import functools
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -99,9 +100,25 @@ class _Walker:
             return ("method", self.walk(value.__func__), self.walk(value.__self__))
         if isinstance(value, types.ModuleType):
             return ("module", value.__name__)
-        if isinstance(value, (type, enum.Enum)):
+        if isinstance(value, type):
+            return _identity(value) if _is_library(value) else self._class(value)
+        if isinstance(value, enum.Enum):
             return _identity(value)
         return self._structure(value)
+
+    def _class(self, cls: type) -> Hashable:
+        """A user class: itself, and the plain values its body and its user bases set
+        (`Config.BIAS`), which its methods and instances may read."""
+        values = []
+        for klass in cls.__mro__:
+            if klass is object or _is_library(klass):
+                continue
+            for name, value in vars(klass).items():
+                if not (name.startswith("__") or callable(value) or isinstance(
+                        value, (property, classmethod, staticmethod, types.MemberDescriptorType,
+                                types.GetSetDescriptorType))):
+                    values.append((klass.__qualname__, name, self.walk(value)))
+        return ("class", _identity(cls), tuple(values))
 
     def _function(self, fn: types.FunctionType) -> Hashable:
         if id(fn) in self.active:
@@ -114,20 +131,24 @@ class _Walker:
             namespace = fn.__globals__
             globals_ = tuple((name, self._global(namespace[name], names))
                              for name in names if name in namespace)
+            attributes = self.walk(vars(fn)) if vars(fn) else None  # (`mod.bias = ...`)
             return ("function", code, self.walk(fn.__defaults__),
-                    self.walk(fn.__kwdefaults__), cells, globals_)
+                    self.walk(fn.__kwdefaults__), cells, globals_, attributes)
         finally:
             self.active.discard(id(fn))
 
     def _global(self, value: Any, names: frozenset[str]) -> Hashable:
         """A global the code names; of a user module, the attributes the code names too
-        (`config.WINDOW` reads `config`'s WINDOW)."""
+        (`config.WINDOW` reads `config`'s WINDOW; `package.config.WINDOW` through a
+        submodule)."""
         if isinstance(value, types.ModuleType) and (
                 value.__name__.split(".")[0] not in _LIBRARY_MODULES):
+            self.count += 1
+            if self.count > MAX_VALUES:
+                raise _Unrecordable
             return ("module", value.__name__, tuple(
-                (name, self.walk(getattr(value, name))) for name in sorted(names)
-                if hasattr(value, name) and not isinstance(getattr(value, name),
-                                                           types.ModuleType)))
+                (name, self._global(getattr(value, name), names)) for name in sorted(names)
+                if hasattr(value, name) and getattr(value, name) is not value))
         return self.walk(value)
 
     def _structure(self, value: Any) -> Hashable:
@@ -139,9 +160,10 @@ class _Walker:
         guarded = getattr(value, "guard_record", None)
         if callable(guarded):  # an object that states what it computes (a translated mod)
             return ("stated", guarded())
-        if dataclasses.is_dataclass(value):
-            return ("dataclass", type(value), tuple(
-                (f.name, self.walk(getattr(value, f.name))) for f in dataclasses.fields(value)))
+        if dataclasses.is_dataclass(value):  # every attribute, and the class's own values
+            state = vars(value) if hasattr(value, "__dict__") else {
+                f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            return ("dataclass", self.walk(type(value)), self.walk(dict(state)))
         if isinstance(value, types.SimpleNamespace):
             return ("namespace", self.walk(vars(value)))
         raise _Unrecordable
@@ -199,8 +221,3 @@ def sources_of(values: list, arrays: list) -> tuple | None:
         else:
             sources.append(("value", value))
     return tuple(sources)
-
-
-def unrecordable(fn: Callable) -> bool:
-    """Whether calls with `fn` trace every time (for tests and `explain`)."""
-    return read_state(fn).record is None

@@ -13,7 +13,8 @@ of the call: ranges of affine expressions of the arguments (`kv_idx - q_idx + 8`
 min/max/clip/abs, floor division and remainder by constants, and of jnp's own wrapping of
 negative indices are exact; anything else (values read from arrays, products of arguments)
 widens to a bound that is never reported. Such reads keep JAX's clamping, as do explicit
-modes (`x.at[i].get(mode="clip")`, `jnp.take`'s "fill").
+modes (`x.at[i].get(mode="clip")`, `jnp.take`'s "fill"). A reported read may still be
+discarded (by a jnp.where, say): the error says to state that with an explicit mode.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class _Analysis:
         return self.from_form({}, int(value))
 
     def argument(self, name: str) -> _Int:
+        if not math.isfinite(self.ranges[name][0]):  # values not known: nothing reached
+            return _unknown_int(frozenset({name}))
         return self.from_form({name: 1}, 0)
 
     def add(self, a: _Int, b: _Int, sign: int = 1) -> _Int:
@@ -381,7 +384,10 @@ def _converted(x, dtype, analysis: _Analysis) -> Any:
             if x.value is None:
                 return _Int(0, 1, False, False, None, frozenset({"?"}))
             return analysis.constant(x.value)
-        return x if isinstance(x, _Int) else _UNKNOWN
+        limits = jnp.iinfo(dtype)
+        if isinstance(x, _Int) and limits.min <= x.lo and x.hi <= limits.max:
+            return x
+        return _UNKNOWN  # a float, or a narrowing that wraps
     if dtype == jnp.bool_ and isinstance(x, _Int):
         return analysis.compare("ne", x, analysis.constant(0))
     return x if dtype == jnp.bool_ and isinstance(x, _Bool) else _UNKNOWN
@@ -505,8 +511,8 @@ _CHECKED: ProgramCache[bool] = ProgramCache("index_bounds.checked")
 def check_mods(fn: str, mods: Sequence[tuple[str, Callable | None, Any]],
                sizes: dict[str, Any]) -> None:
     """`check_reads` of each (role, mod, key) in `mods` (mod None: absent); key: what the
-    mod computes (a TracedFunction key), so that a call repeating it skips the analysis, or
-    None to analyse every time."""
+    mod computes (a TracedFunction key, or a guards record of the call's mods), so that a call
+    repeating it at the same sizes skips the analysis, or None to analyse every time."""
     for role, mod, key in mods:
         if mod is None:
             continue
@@ -521,15 +527,17 @@ def check_mods(fn: str, mods: Sequence[tuple[str, Callable | None, Any]],
 def check_reads(fn: str, role: str, mod: Callable, sizes: dict[str, Any]) -> None:
     """Raises ValueError where `mod` (a score_mod or mask_mod of the call `fn`) reads an array
     past its ends at some position of the call. sizes: how many values each argument takes
-    (b, h, q_idx, kv_idx), or the (first, last) values it takes."""
-    ranges = {name: (0, value - 1) if isinstance(value, int) else tuple(value)
+    (b, h, q_idx, kv_idx), or the (first, last) values it takes, or None where that is not
+    known (the argument's reads are then never reported)."""
+    ranges = {name: (0, value - 1) if isinstance(value, int) else
+              (-_INF, _INF) if value is None else tuple(value)
               for name, value in sizes.items()}
     index = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)
     signature = [index] * 4
     if role == "score_mod":
         signature = [jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32), *signature]
     try:
-        closed = jax.make_jaxpr(mod)(*signature)
+        closed = jax.make_jaxpr(lambda *args: mod(*args))(*signature)  # (no cached trace)
     except Exception:  # noqa: BLE001  (a mod that fails here fails with its own error later)
         return
     analysis = _Analysis(ranges)
@@ -549,12 +557,13 @@ def check_reads(fn: str, role: str, mod: Callable, sizes: dict[str, Any]) -> Non
         return
     table, shape, axis, index, last = analysis.violation
     what = _describe_array(table, shape, consts, _names(mod))
-    where = ", ".join(f"{n} {lo}..{hi}" for n, (lo, hi) in ranges.items())
+    where = ", ".join(f"{n} {lo}..{hi}" for n, (lo, hi) in ranges.items()
+                      if math.isfinite(lo))
     bad = int(index.lo) if index.lo < 0 and index.lo_reached else int(index.hi)
     raise ValueError(
         f"{fn}: {role} {name_of(mod)} reads {what} along axis {axis} at {_describe_index(index)}"
         f", which reaches {bad} in this call ({where}); that axis holds indices 0..{last}. "
-        f"JAX would clamp the read to the nearest entry and give a silently wrong result. "
-        f"Pass an array covering the call, or clamp the index yourself "
-        f"(jnp.clip(index, 0, {last})), or index with `.at[index].get(mode='clip')` where "
-        "clamping is meant.")
+        f"JAX clamps such a read to the nearest entry: a silently wrong value wherever it is "
+        f"used. Pass an array covering the call, or clamp the index yourself "
+        f"(jnp.clip(index, 0, {last})); where the value is not used (a jnp.where discards "
+        "it), say so with `.at[index].get(mode='clip')`.")

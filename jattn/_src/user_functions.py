@@ -72,7 +72,9 @@ class CaptureSet:
 
     def trace(self, fn: Callable[..., Any],
               signature: Sequence[jax.ShapeDtypeStruct]) -> TracedFunction:
-        closed = jax.make_jaxpr(fn)(*signature)
+        # A fresh function each time: make_jaxpr caches traces by function, and what `fn`
+        # computes may have changed since (a rebound global it reads).
+        closed = jax.make_jaxpr(lambda *args: fn(*args))(*signature)
         slots = []
         for const in closed.consts:
             if id(const) not in self._slot_of:

@@ -66,3 +66,10 @@ def test_small_blocks_lower_for_cuda(monkeypatch):
         return jattn.flex_attention(q, q, q, block_mask=mask, implementation="pallas_triton")
 
     assert "jattn_flex_fwd" in lower_for_cuda(attention, spec)
+
+
+def test_legal_blocks_are_multiples_of_sixteen():
+    from jattn._src.masks.fitting import legal_block
+    for block, length in ((100, 64), (256, 64), (24, 100), (1, 64), (120, 100), (2**20, 300)):
+        legal = legal_block(block, length)
+        assert legal % 16 == 0 and (legal >= length if block >= length else legal % block == 0)

@@ -216,9 +216,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         multiple of Hkv (enable_gqa=True when they differ); query head h reads kv head
         h // (Hq // Hkv). Any L, S, E, Ev (ragged tiles are masked).
       score_mod: `f(score, b, h, q_idx, kv_idx) -> score` on float32 scores (float64 for
-        float64 inputs; after scale) and
-        broadcastable int32 indices; arrays it closes over become kernel inputs and get gradients.
-        An index into such an array that certainly leaves it raises ValueError (docs/attention.md).
+        float64 inputs; after scale) and broadcastable int32 indices; arrays it closes over
+        become kernel inputs and get gradients. An index into such an array that certainly
+        leaves it raises ValueError (docs/attention.md).
       block_mask: from `jattn.create_block_mask` / `BlockMask.from_kv_blocks`, built for (L, S);
         partial blocks apply its mask_mod, full blocks skip it, other blocks are never visited.
         None attends everywhere.
@@ -235,9 +235,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Returns:
       out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L] (float64
       for float64 inputs). A query that attends to nothing (S = 0 included) gives 0 and LSE
-      -inf; B = 0 or L = 0 give empty results. A key a query never reads (outside its blocks) cannot affect it, NaN included.
-      Differentiable in q, k, v, captured arrays of score_mod and (through its cotangent) the
-      LSE.
+      -inf; B = 0 or L = 0 give empty results. A key a query never reads (outside its blocks)
+      cannot affect it, NaN included. Differentiable in q, k, v, captured arrays of score_mod
+      and (through its cotangent) the LSE.
 
     Example::
 
@@ -249,8 +249,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         print(out.shape, out.dtype)  # (1, 2, 256, 32) bfloat16
 
     Eager calls reuse compiled programs: a call with the same shapes, dtypes, options and mods
-    (the same traced computation; a changed Python scalar inside a mod is a new one) neither
-    traces the kernels nor compiles. Arrays the mods close over are arguments, so new values
+    (mods reading the same Python values; a changed scalar inside a mod is a new computation)
+    neither traces nor compiles. Arrays the mods close over are arguments, so new values
     reuse the program.
     """
     return flex_attention_with_captures(q, k, v, score_mod, block_mask, scale=scale,
@@ -364,8 +364,11 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
     if key is not None:
         sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,
                                                                            mask_caps)]
-        if None not in sources:  # (a dense call's lists moved to the device once)
-            _PLANS.put(key, _Plan(program, *sources, jax.device_put(lists) if dense else None))
+        dense_lists = jax.device_put(lists) if dense else None  # moved to the device once
+        # (inside another function's trace, the lists would be that trace's values)
+        if None not in sources and not any(isinstance(x, jax.core.Tracer)
+                                           for x in jax.tree.leaves(dense_lists)):
+            _PLANS.put(key, _Plan(program, *sources, dense_lists))
     return program, lists, score_caps, mask_caps
 
 

@@ -78,7 +78,7 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, Ev: int, kv_dtype) -> None:
 
 
 def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
-    """(kv_len as int32 [B] (None: S everywhere), checked): values the host holds (an int,
+    """(kv_len as int32 [B] (S everywhere for None), checked): values the host holds (an int,
     numpy, a JAX array on the CPU) are checked here and bad ones raise: a length outside
     [0, S], or, with a cache, a page below the length that is unassigned or outside the pool.
     Others (traced, or on an accelerator, which the host would wait for) are checked by the
@@ -114,6 +114,15 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
             and kv_len.shape == (B,)):
         kv_len = jnp.broadcast_to(jnp.asarray(kv_len).astype(jnp.int32), (B,))
     return kv_len, False
+
+
+def _query_positions(kv_len, Lq: int, checked: bool) -> tuple[int, int] | None:
+    """The first and last query positions (kv_len - Lq + i) a call certainly has, for the
+    read checks; None where the lengths are not on the host (or a position is negative)."""
+    lengths = _on_host(kv_len) if checked else None
+    if lengths is None or int(lengths.min()) < Lq:
+        return None
+    return int(lengths.min()) - Lq, int(lengths.max()) - 1
 
 
 def _on_host(x) -> np.ndarray | None:
@@ -277,11 +286,9 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     kv_len, checked = _lengths(kv_len, B, S, cache)
     mask_mod = None if block_mask is None else block_mask.mask_mod
     state = guards.read_state(score_mod, mask_mod)
-    # Query positions: kv_len - Lq + i (negative ones attend to nothing).
-    positions = (S - Lq, S - 1) if static_length else (0, S - 1)
     index_bounds.check_mods(
         _OP, [("score_mod", score_mod, state.record), ("mask_mod", mask_mod, state.record)],
-        dict(b=B, h=Hq, q_idx=(max(positions[0], 0), positions[1]), kv_idx=S))
+        dict(b=B, h=Hq, q_idx=_query_positions(kv_len, Lq, checked), kv_idx=S))
 
     if 0 in (B, Lq, S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)

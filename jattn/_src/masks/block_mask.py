@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jattn._src.tiling import cdiv, next_power_of_two
+from jattn._src.tiling import cdiv
 
 MaskMod = Callable[..., jax.Array]
 

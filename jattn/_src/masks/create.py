@@ -157,13 +157,18 @@ def builder(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int,
             block_size: tuple[int, int]) -> tuple[Callable, list]:
     """The compiled builder of a create_block_mask call and the arrays it takes (for memory
     analysis: `program.lower(arrays).compile()`)."""
-    # A block past the sequence's end holds it whole: built at the shortest such block (the
-    # same lists), reported at the size asked for, as torch does.
-    sizes = _Sizes(B, H, Q_LEN, KV_LEN, *(legal_block(b, n) if b >= n else b
-                                           for b, n in zip(block_size, (Q_LEN, KV_LEN))))
+    sizes = _built_sizes(B, H, Q_LEN, KV_LEN, block_size)
     state = guards.read_state(mask_mod)
     plan = _plan(mask_mod, sizes, state)
     return plan.program, guards.fetch(plan.sources, state.arrays)
+
+
+def _built_sizes(B: int, H: int, Q_LEN: int, KV_LEN: int,
+                 block_size: tuple[int, int]) -> _Sizes:
+    """The builder's sizes. A block past the sequence's end holds it whole: it is built at the
+    shortest such block (the same lists) and reported at the size asked for, as torch does."""
+    return _Sizes(B, H, Q_LEN, KV_LEN, *(legal_block(b, n) if b >= n else b
+                                         for b, n in zip(block_size, (Q_LEN, KV_LEN))))
 
 
 def _check_sizes(fn: str, B, H, Q_LEN, KV_LEN) -> tuple[int, int, int, int]:
@@ -216,10 +221,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     if not callable(mask_mod):
         raise TypeError(f"create_block_mask: `mask_mod` must be callable, got {mask_mod!r}.")
     check_parameters("create_block_mask", "mask_mod", mask_mod, MASK_PARAMETERS)
-    # A block past the sequence's end holds it whole: built at the shortest such block (the
-    # same lists), reported at the size asked for, as torch does.
-    sizes = _Sizes(B, H, Q_LEN, KV_LEN, *(legal_block(b, n) if b >= n else b
-                                           for b, n in zip(block_size, (Q_LEN, KV_LEN))))
+    sizes = _built_sizes(B, H, Q_LEN, KV_LEN, block_size)
     state = guards.read_state(mask_mod)
     plan = None
     if state.record is not None:

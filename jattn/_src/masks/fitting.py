@@ -30,9 +30,10 @@ _EMPTY, _PARTIAL, _FULL = 0, 1, 2
 
 
 def legal_block(block: int, length: int) -> int:
-    """The block the kernels use for `block` on a sequence of `length`."""
-    if block >= length:  # one block holds the sequence
-        return min(block, max(DEFAULT_BLOCK, next_power_of_two(length)))
+    """The block the kernels use for `block` on a sequence of `length`: a multiple of 16."""
+    if block >= length:  # one block holds the sequence: the shortest legal one that does
+        return min(cdiv(block, MIN_DOT_TILE) * MIN_DOT_TILE,
+                   max(DEFAULT_BLOCK, next_power_of_two(length)))
     return math.lcm(block, MIN_DOT_TILE)
 
 
@@ -46,8 +47,8 @@ def fitted(mask: BlockMask) -> BlockMask:
     if known is not None:
         return known
     result = _fitted(mask, blocks)
-    if not isinstance(mask.kv_num_blocks, jax.core.Tracer):
-        object.__setattr__(mask, "_fitted", result)
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(result)):
+        object.__setattr__(mask, "_fitted", result)  # (not a value of a trace in progress)
     return result
 
 
