@@ -120,7 +120,7 @@ def _query_positions(kv_len, Lq: int, checked: bool) -> tuple[int, int] | None:
     """The first and last query positions (kv_len - Lq + i) a call certainly has, for the
     read checks; None where the lengths are not on the host (or a position is negative)."""
     lengths = _on_host(kv_len) if checked else None
-    if lengths is None or int(lengths.min()) < Lq:
+    if lengths is None or lengths.size == 0 or int(lengths.min()) < Lq:
         return None
     return int(lengths.min()) - Lq, int(lengths.max()) - 1
 

@@ -402,7 +402,8 @@ def _matmul_flattened(options: Options, a, b, bias, captures):
     """_matmul of a [..., M, K], its leading dims flattened into M inside the program (eager
     reshapes would each be a dispatch of their own)."""
     *lead, k = a.shape
-    return _matmul(options, a.reshape(-1, k), b, bias, captures).reshape(*lead, b.shape[1])
+    m = math.prod(lead)
+    return _matmul(options, a.reshape(m, k), b, bias, captures).reshape(*lead, b.shape[1])
 
 
 def _broadcast_batch(fn, a, b, batch_ndim: int):
