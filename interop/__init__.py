@@ -32,9 +32,9 @@ def _share_modules(twin: str, name: str) -> None:
 def _jax_has_started() -> bool:
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge
+    from jattn._src import compat
 
-    return xla_bridge.backends_are_initialized()
+    return compat.backends_started()
 
 
 if _twin is not None:

@@ -39,9 +39,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import torch
-from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
 
 from jattn._src import bridge
+
+_GetItemToIndex = bridge.compat.torch_getitem_to_index()
 from . import _translate
 
 ARITY = {"score": 5, "mask": 4}
@@ -129,7 +130,7 @@ _SLOT = threading.local()  # the last trampoline call's (translation, tensors), 
 
 
 def _trampoline_body(mod, *args):
-    with TransformGetItemToIndex():  # tensor indices -> aten.index, as torch traces mods
+    with _GetItemToIndex():  # tensor indices -> aten.index, as torch traces mods
         return mod(*args)
 
 
@@ -169,7 +170,7 @@ _SCALAR_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
 
 def _user_guards() -> list[tuple[str, str]]:
     """(kind, source) of each guard the trace being compiled installs on what the mod reads."""
-    context = torch._guards.TracingContext.try_get()
+    context = bridge.compat.torch_tracing_context()
     found = set()
     for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
         if guard.name and not _INTERNAL.search(guard.name):

@@ -1,6 +1,6 @@
 """Eager ops on CUDA tensors whose JAX program is one kernel: that kernel launched on torch's
 current stream, reading the tensors in place and writing torch-allocated outputs, without
-JAX's dispatch, DLPack crossings or stream waits (`jattn._src.kernel_launch`).
+JAX's dispatch, DLPack crossings or stream waits (`jattn._src.pallas_triton.launch`).
 
 It is the kernel binary the JAX program launches, so results are the same bits. A call takes
 this path only when every tensor is a contiguous tensor on the current CUDA device at an
@@ -21,9 +21,10 @@ import torch
 from torch import Tensor
 
 from ._dlpack import DTYPES
-from jattn._src.bridge import single_kernel_launch
+from jattn._src.bridge import compat, single_kernel_launch
 
 _TORCH_DTYPES = {np.dtype(jax_dtype): torch_dtype for torch_dtype, jax_dtype in DTYPES.items()}
+_current_device, _current_stream = compat.torch_cuda_device_and_stream()
 _NOT_ONE_KERNEL = object()  # a launch-table entry: this signature runs through JAX
 
 
@@ -42,7 +43,7 @@ class DirectProgram:
     def __call__(self, tensors: Sequence[Tensor]) -> list[Tensor] | None:
         """The program's results as new tensors, queued on torch's current stream, or None
         where this call must go through JAX (then nothing has been queued)."""
-        index = torch._C._cuda_getDevice()
+        index = _current_device()
         key = []
         for t in tensors:
             if not (isinstance(t, Tensor) and t.get_device() == index and t.is_contiguous()):
@@ -60,7 +61,7 @@ class DirectProgram:
         outputs = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
                    for shape, dtype in launch.outputs]
         if not launch(operands, [out.data_ptr() for out in outputs],
-                      torch._C._cuda_getCurrentRawStream(index), index):
+                      _current_stream(index), index):
             return None  # the kernel is loaded on another GPU
         return [outputs[i] for i in launch.results]
 

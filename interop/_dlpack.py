@@ -41,12 +41,10 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from jattn._src import bridge
 
-try:  # the call `jax.dlpack.from_dlpack` wraps, without its per-tensor host synchronisation
-    from jax._src.lib import _jax as _jaxlib
-    _import_capsule = _jaxlib.dlpack_managed_tensor_to_buffer
-    _export_capsule = _jaxlib.buffer_to_dlpack_managed_tensor
-except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts: public path
-    _import_capsule = _export_capsule = None
+# jaxlib's capsule calls, without jax.dlpack's per-tensor host synchronisation (or None)
+_import_capsule, _export_capsule = bridge.compat.dlpack_capsule_functions()
+_current_device, _current_stream = bridge.compat.torch_cuda_device_and_stream()
+_from_capsule = bridge.compat.torch_from_dlpack_capsule()
 
 _DL_DEVICE_TYPES = {"cpu": 1, "cuda": 2}  # DLDeviceType kDLCPU, kDLCUDA
 
@@ -221,8 +219,8 @@ def wait_for_torch(device: torch.device) -> None:
     # driver's fails, as on a thread with no current CUDA context (autograd runs backward on
     # its own threads; torch's record makes the context current).
     handles = _THREAD.__dict__.get(index)
-    stream = torch._C._cuda_getCurrentRawStream(index)
-    if (handles is None or (stream == 0 and torch._C._cuda_getDevice() != index)
+    stream = _current_stream(index)
+    if (handles is None or (stream == 0 and _current_device() != index)
             or record(handles[1], stream)):
         handles = _recorded_by_torch(index)
     status = wait(handles[2], handles[1], 0)
@@ -259,8 +257,8 @@ def to_torch(array: jax.Array, device: torch.device | None = None) -> torch.Tens
         cuda, index = jax_device.platform == "gpu", jax_device.local_hardware_id
     else:
         cuda, index = device.type == "cuda", device.index or 0
-    stream = torch._C._cuda_getCurrentRawStream(index) if cuda else None
-    return torch._C._from_dlpack(_export_capsule(array, stream))  # from_dlpack's core
+    stream = _current_stream(index) if cuda else None
+    return _from_capsule(_export_capsule(array, stream))
 
 
 def same_device(fn: str, **tensors: torch.Tensor | None) -> torch.device:

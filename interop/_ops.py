@@ -115,7 +115,7 @@ def _rebuild(parts: tuple):
     return fn
 
 
-@torch._dynamo.assume_constant_result  # runs (and translates) at trace time: a constant key
+@bridge.compat.torch_assume_constant_result  # runs (and translates) at trace time: a constant key
 def _key_while_tracing(n_score: int, *parts) -> str:
     score = _rebuild(parts[:n_score]) if n_score else None
     mask = _rebuild(parts[n_score:]) if len(parts) > n_score else None
@@ -141,7 +141,7 @@ def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
     return key, tensors
 
 
-@torch._dynamo.assume_constant_result  # its arguments are realised, hence guarded, at trace time
+@bridge.compat.torch_assume_constant_result  # its arguments are realised, hence guarded, at trace time
 def _guard_on(*values) -> int:
     return 0
 

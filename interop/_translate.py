@@ -12,7 +12,7 @@ counterpart. The JAX function then runs on broadcastable index arrays (a kernel 
   torch's shape (a captured table, a sum over it);
 - indexing an unbatched tensor with scalars is kept lazy until every dimension is indexed, so
   `bias[b][h][q_idx][kv_idx]` becomes the single point lookup the kernels turn into an indexed
-  load (`jattn._src.pallas_triton_lookup`), never a slice of the table per position.
+  load (`jattn._src.pallas_triton.captured_loads`), never a slice of the table per position.
 
 A mod that builds batched values that are not scalars per position (say a row of a table per
 query, reduced afterwards) runs through `jax.vmap` of the scalar function instead: correct

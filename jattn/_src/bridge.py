@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import jax
 
-from jattn._src import backends
+from jattn._src import backends, compat
 from jattn._src.attention import pallas_mosaic_gpu
 from jattn._src.attention.api import flex_attention_backward
 from jattn._src.attention.api import flex_attention_with_captures as flex_attention
 from jattn._src.decoding.paged import check_pool_sizes
-from jattn._src.kernel_launch import single_kernel_launch
+from jattn._src.pallas_triton.launch import single_kernel_launch
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.programs import register_cache
 
-__all__ = ["MaskLists", "check_pool_sizes", "flex_attention", "flex_attention_backward",
+__all__ = ["MaskLists", "check_pool_sizes", "compat", "flex_attention", "flex_attention_backward",
            "launches_directly", "register_cache", "resolve", "single_kernel_launch",
            "unreadable_capture"]
 

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jattn._src.jaxpr_eval import Deferred, evaluate, jaxpr_and_consts, with_consts
+from jattn._src.compat import jaxpr_and_consts, with_consts
+from jattn._src.jaxpr_eval import Deferred, evaluate
 from jattn._src.mod_errors import name_of
 from jattn._src.programs import ProgramCache
 

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 from jax.extend import core as jex_core
 
+from jattn._src import compat
 from jattn._src.mesh_axes import aligned, varying_axes
 
 # (primitive, operands, params, the outputs' traced avals) -> outputs, or None to bind as usual.
@@ -31,18 +32,22 @@ class Deferred:
     rewrite."""
 
 
-def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
-    """(jaxpr, consts) of a traced function; jax 0.11 merged ClosedJaxpr into Jaxpr, 0.10 keeps
-    the consts beside `.jaxpr`."""
-    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+# Primitives that only wrap a jaxpr: the parameter holding it.
+WRAPPERS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+            "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
+            "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+            "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
-def with_consts(closed: Any, consts: Sequence[Any]) -> Any:
-    """The traced function with other constants (values of the same types, or Deferred)."""
-    # jax 0.11 merged ClosedJaxpr into Jaxpr and added `with_consts`; 0.10 has `replace`.
-    if hasattr(closed, "with_consts"):
-        return closed.with_consts(list(consts))
-    return closed.replace(consts=list(consts))
+def wrapped(primitive, params: dict[str, Any]) -> Any | None:
+    """The jaxpr a wrapper equation (jit, custom_jvp, remat, ...) calls; None for others."""
+    return params.get(WRAPPERS.get(primitive.name, ""))
+
+
+def bind(primitive, operands: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """The equation's outputs (always a list) on these operands."""
+    outputs = compat.bind_equation(primitive, operands, params)
+    return outputs if primitive.multiple_results else [outputs]
 
 
 def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[Any]:
@@ -50,7 +55,7 @@ def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[An
     over mesh axes or are Deferred, custom_jvp calls too: their inner jaxpr holds unvarying
     constants), each equation's operands aligned over mesh axes, and `rewrite` given the first
     refusal."""
-    jaxpr, consts = jaxpr_and_consts(closed)
+    jaxpr, consts = compat.jaxpr_and_consts(closed)
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -58,34 +63,28 @@ def evaluate(closed: Any, *args: Any, rewrite: Rewrite | None = None) -> list[An
         return var.val if isinstance(var, jex_core.Literal) else env[var]
 
     for eqn in jaxpr.eqns:
-        params = eqn.params
-        if eqn.primitive.name == "pvary":  # a cast traced in: cast only where still needed
-            operand = read(eqn.invars[0])
-            if isinstance(operand, Deferred):  # the rewrite aligns what it binds
-                env.update(zip(eqn.outvars, [operand]))
-                continue
-            missing = tuple(sorted(set(params["axes"]) - varying_axes(operand)))
-            outputs = [jax.lax.pcast(operand, missing, to="varying") if missing else operand]
-            env.update(zip(eqn.outvars, outputs))
-            continue
-        operands = [read(var) for var in eqn.invars]
-        deferred = any(isinstance(x, Deferred) for x in operands)
-        varying = not deferred and any(varying_axes(x) for x in operands)
-        if varying:
-            operands = aligned(*operands)
-        outputs = None if rewrite is None else rewrite(
-            eqn.primitive, operands, params, [var.aval for var in eqn.outvars])
-        if outputs is None and eqn.primitive.name in ("pjit", "jit"):
-            outputs = evaluate(params["jaxpr"], *operands, rewrite=rewrite)
-        elif (outputs is None and eqn.primitive.name == "custom_jvp_call"
-              and (varying or deferred)):
-            outputs = evaluate(params["call_jaxpr"], *operands, rewrite=rewrite)
-        elif outputs is None:
-            bind_params, subfunctions = eqn.primitive.get_bind_params(params), ()
-            if isinstance(bind_params, tuple):  # older jax: (subfunctions, params)
-                subfunctions, bind_params = bind_params
-            outputs = eqn.primitive.bind(*subfunctions, *operands, **bind_params)
-            if not eqn.primitive.multiple_results:
-                outputs = [outputs]
+        outputs = _evaluate_equation(eqn.primitive, [read(var) for var in eqn.invars],
+                                     eqn.params, [var.aval for var in eqn.outvars], rewrite)
         env.update(zip(eqn.outvars, outputs))
     return [read(var) for var in jaxpr.outvars]
+
+
+def _evaluate_equation(primitive, operands: list[Any], params: dict[str, Any],
+                       out_avals: list[Any], rewrite: Rewrite | None) -> list[Any]:
+    deferred = any(isinstance(x, Deferred) for x in operands)
+    if primitive.name == "pvary":  # a cast traced in: cast only where still needed
+        [operand] = operands
+        if deferred:  # the rewrite aligns what it binds
+            return [operand]
+        missing = tuple(sorted(set(params["axes"]) - varying_axes(operand)))
+        return [jax.lax.pcast(operand, missing, to="varying") if missing else operand]
+    varying = not deferred and any(varying_axes(x) for x in operands)
+    if varying:
+        operands = aligned(*operands)
+    outputs = None if rewrite is None else rewrite(primitive, operands, params, out_avals)
+    if outputs is not None:
+        return outputs
+    if primitive.name in ("pjit", "jit") or (primitive.name == "custom_jvp_call"
+                                             and (varying or deferred)):
+        return evaluate(wrapped(primitive, params), *operands, rewrite=rewrite)
+    return bind(primitive, operands, params)

@@ -10,20 +10,17 @@ each returns its arguments as they are.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jattn._src import compat
+
 
 def varying_axes(x: Any) -> frozenset:
     """The mesh axes x varies over inside shard_map (empty elsewhere)."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10; other versions: `vma`
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(aval, "vma", ()))
+    return compat.varying_axes_of(jax.typeof(x))
 
 
 def aligned(*operands: Any) -> list[Any]:
@@ -51,14 +48,9 @@ def summed_to_vary_like(cotangent: Any, primal: Any) -> Any:
     return jax.lax.psum(cotangent, extra) if extra else cotangent
 
 
-_STRUCT_FIELD = next((name for name in ("manual_axis_type", "vma")
-                      if name in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
-
-
 def out_struct(shape, dtype, like: Any) -> jax.ShapeDtypeStruct:
     """A kernel output of `shape` and `dtype` varying as the (aligned) operand `like` does."""
-    if _STRUCT_FIELD is None or not varying_axes(like):
+    field = compat.VARYING_STRUCT_FIELD
+    if field is None or not varying_axes(like):
         return jax.ShapeDtypeStruct(shape, dtype)
-    aval = jax.typeof(like)
-    value = getattr(aval, _STRUCT_FIELD)
-    return jax.ShapeDtypeStruct(shape, dtype, **{_STRUCT_FIELD: value})
+    return jax.ShapeDtypeStruct(shape, dtype, **{field: getattr(jax.typeof(like), field)})

@@ -9,7 +9,7 @@ from jattn._src.constants import MIN_DOT_TILE
 WARP_COUNTS = (1, 2, 4, 8, 16)
 
 # Who compiles a kernel's Triton IR: jax's stock path (XLA's bundled Triton) or the `triton`
-# package (see jattn/_src/pallas_triton_compile.py).
+# package (see jattn/_src/pallas_triton/compile.py).
 COMPILERS = ("xla", "triton")
 
 

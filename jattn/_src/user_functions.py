@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 
-from jattn._src.jaxpr_eval import Rewrite, evaluate, jaxpr_and_consts, with_consts
+from jattn._src.compat import jaxpr_and_consts, with_consts
+from jattn._src.jaxpr_eval import Rewrite, evaluate
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: usable as a static option

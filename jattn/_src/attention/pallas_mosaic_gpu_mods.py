@@ -41,7 +41,8 @@ from jax import lax
 
 from jattn._src.attention.common import Mods
 from jattn._src.constants import LOG2_E
-from jattn._src.jaxpr_eval import Deferred, jaxpr_and_consts
+from jattn._src.compat import jaxpr_and_consts
+from jattn._src.jaxpr_eval import Deferred
 from jattn._src.mesh_axes import aligned
 from jattn._src.user_functions import TracedFunction
 

@@ -15,7 +15,7 @@ from jattn._src.attention.common import Problem, tile_signature, trace_mods
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, make_problem
 from jattn._src.masks.block_mask import BlockMask, MaskLists
-from jattn._src.pallas_triton_compile import triton_compiler_available
+from jattn._src.pallas_triton.compile import triton_compiler_available
 from jattn._src.user_functions import CaptureSet
 
 

@@ -24,7 +24,7 @@ from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import LOG2_E
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.mesh_axes import aligned, out_struct
-from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.pallas_triton.captured_loads import call_in_kernel
 
 
 def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):

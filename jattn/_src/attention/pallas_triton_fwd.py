@@ -18,7 +18,7 @@ from jattn._src.attention.common import Problem
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.mesh_axes import aligned, out_struct
-from jattn._src.pallas_triton_compile import compiler_params
+from jattn._src.pallas_triton.compile import compiler_params
 
 
 def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):

@@ -41,8 +41,8 @@ from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.split_kv import DecodeProblem
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
-from jattn._src.pallas_triton_compile import compiler_params
-from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.pallas_triton.compile import compiler_params
+from jattn._src.pallas_triton.captured_loads import call_in_kernel
 
 
 # A merge program holds a [splits, Ev] float32 tile (splits padded to a power of two): 4 warps

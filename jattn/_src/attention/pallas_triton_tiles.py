@@ -11,8 +11,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention.common import Mods, Problem
-from jattn._src.pallas_triton_lookup import call_in_kernel
-from jattn._src.pallas_triton_masked import both, bounds, load, store
+from jattn._src.pallas_triton.captured_loads import call_in_kernel
+from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.tiling import cdiv, dot_tile
 
 

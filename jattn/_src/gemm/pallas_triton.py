@@ -22,9 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn._src.gemm.config import MatmulConfig
-from jattn._src.pallas_triton_masked import both, bounds, load, store
-from jattn._src.pallas_triton_compile import compiler_params
-from jattn._src.pallas_triton_lookup import call_in_kernel
+from jattn._src.pallas_triton.masked import both, bounds, load, store
+from jattn._src.pallas_triton.compile import compiler_params
+from jattn._src.pallas_triton.captured_loads import call_in_kernel
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import TracedFunction
 
@@ -245,7 +245,7 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
 
     scales: (kind, array) pairs multiplied into the fp32 tile before the bias: "row" [M, 1],
     "col" [1, N] or "tensor" [1, 1]. max_num_imprecise_acc: Triton's fp8 accumulation knob (see
-    pallas_triton_compile).
+    pallas_triton.compile).
 
     Compiler: the `triton` package where installed, except for kernels with a user epilogue.
     H100 A/B, same kernels (benchmarks/HISTORY.md): without an epilogue its code ran at

@@ -27,8 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import B2BConfig, b2b_held_width
-from jattn._src.pallas_triton_lookup import call_in_kernel
-from jattn._src.pallas_triton_masked import both, bounds, load, store
+from jattn._src.pallas_triton.captured_loads import call_in_kernel
+from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import TracedFunction
 

@@ -29,8 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.gemm.pallas_triton import _tile_coords, tile_grid, tile_outputs, walk_k
-from jattn._src.pallas_triton_compile import compiler_params
-from jattn._src.pallas_triton_masked import both, bounds, load, store
+from jattn._src.pallas_triton.compile import compiler_params
+from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.tiling import cdiv
 
 

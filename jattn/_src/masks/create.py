@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from jattn._src import guards, index_bounds
-from jattn._src.jaxpr_eval import jaxpr_and_consts
+from jattn._src.compat import jaxpr_and_consts
 from jattn._src.masks.block_mask import BlockMask, MaskMod, _pair
 from jattn._src.masks.fitting import legal_block
 from jattn._src.mod_errors import MASK_PARAMETERS, check_parameters, traced_values_explained

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jattn._src import pallas_triton_compile as ptc
+from jattn._src.pallas_triton import compile as ptc
 
 # Two dots as Pallas prints them (one with an input precision, one without).
 IR = """\

@@ -26,6 +26,7 @@ import zlib
 import jax
 from jax.experimental.pallas import triton as plgpu
 
+from jattn._src import compat
 from jattn._src.tiling import COMPILERS
 
 _PARAM = re.compile(r"\.param\s")
@@ -73,13 +74,13 @@ def _register() -> bool:
     """Installs the lowering rule for `_TritonCompiled`; False where that cannot work."""
     try:
         import triton  # noqa: F401
-        from jax._src.lib import gpu_triton  # noqa: F401
-        from jax._src.pallas import core as pallas_core
-        from jax._src.pallas.triton import lowering  # noqa: F401
-        from jax._src.pallas.triton import pallas_call_registration as stock
     except ImportError:
         return False
-    pallas_core.register_lowering_rule(_TritonCompiled, functools.partial(_lower, stock), "gpu")
+    jax_internals = compat.pallas_triton_internals()
+    if jax_internals is None:
+        return False
+    jax_internals.pallas_core.register_lowering_rule(
+        _TritonCompiled, functools.partial(_lower, jax_internals), "gpu")
     return True
 
 
@@ -159,12 +160,10 @@ def _write(path: str, text: str) -> None:
     os.replace(temporary, path)
 
 
-def _lower(stock, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping, input_output_aliases,
-           **params):
-    from jax._src.interpreters import mlir
-    from jax._src.lib import gpu_triton
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton import lowering
+def _lower(jax_internals, ctx, *in_nodes, jaxpr, compiler_params, grid_mapping,
+           input_output_aliases, **params):
+    stock, lowering = jax_internals.pallas_call_registration, jax_internals.lowering
+    mlir, ir, gpu_triton = jax_internals.mlir, jax_internals.ir, jax_internals.gpu_triton
 
     plain = plgpu.CompilerParams(num_warps=compiler_params.num_warps,
                                  num_stages=compiler_params.num_stages)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src import pallas_triton_launch as launch
+from jattn._src.pallas_triton import launch
 from jattn._src import hardware
 
 L, D = 256, 64
@@ -90,7 +90,7 @@ def test_a_kernel_launches_only_on_the_gpu_it_was_loaded_on():
 def test_direct_launch_writes_what_jax_computes():
     """The launch's kernel on JAX-owned buffers (stream 0, after JAX has finished) gives the
     output of the JAX program bit for bit."""
-    from jattn._src.pallas_triton_compile import triton_compiler_available
+    from jattn._src.pallas_triton.compile import triton_compiler_available
     if not triton_compiler_available():
         pytest.skip("needs the `triton` package")
     program, args, lists = _flex_program()

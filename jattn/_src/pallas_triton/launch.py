@@ -3,7 +3,7 @@ caller owns.
 
 Where a program's whole computation is a single pallas_call (custom_vjp and jit wrappers
 aside) whose kernel the `triton` package compiles (`compiler="triton"`, see
-`pallas_triton_compile`), the compiled kernel JAX launches through XLA can be launched by
+`pallas_triton.compile`), the compiled kernel JAX launches through XLA can be launched by
 Triton's own launcher instead: no JAX dispatch, no buffers to import or export, no stream to
 synchronise. interop's eager torch ops use this; it costs a few microseconds of host time
 against JAX's 40-70 per call (benchmarks/HISTORY.md, issue 4).
@@ -17,18 +17,15 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax._src import core as jax_core
+from jax.extend import core as jex_core
 
-from jattn._src.pallas_triton_compile import recording_kernels
+from jattn._src.compat import jaxpr_and_consts
+from jattn._src.jaxpr_eval import wrapped
+from jattn._src.pallas_triton.compile import recording_kernels
 
-# Primitives that only wrap a jaxpr (their parameter holding it): inlined when looking for the
-# program's one kernel.
-_WRAPPERS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-             "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-             "custom_vjp_call_jaxpr": "fun_jaxpr"}
 _DIVISIBILITY = re.compile(r"tt\.divisibility = (\d+)")  # a pointer's assumed alignment
 # A compiled kernel -> the GPU index whose context Triton loaded it into (the kernels live in
-# pallas_triton_compile's cache anyway).
+# pallas_triton.compile's cache anyway).
 _LOADED_ON: dict[object, int] = {}
 
 
@@ -78,10 +75,10 @@ def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLau
     if len(equations) != 1 or equations[0].primitive.name != "pallas_call":
         return None
     [call] = equations
-    arguments = {var: i for i, var in enumerate(closed.jaxpr.invars)}
+    arguments = {var: i for i, var in enumerate(jaxpr_and_consts(closed)[0].invars)}
     if (call.params.get("input_output_aliases")
-            or not all(isinstance(v, jax_core.Var) and v in arguments for v in call.invars)
-            or not all(isinstance(v, jax_core.Var) and v in call.outvars for v in results)):
+            or not all(isinstance(v, jex_core.Var) and v in arguments for v in call.invars)
+            or not all(isinstance(v, jex_core.Var) and v in call.outvars for v in results)):
         return None
     with recording_kernels() as kernels:
         jax.jit(lambda *xs: call.primitive.bind(*xs, **call.params)).trace(
@@ -99,32 +96,31 @@ def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLau
 _CONSTANT = object()  # stands for a jaxpr constant: no argument of the program
 
 
-def _inlined(closed: jax_core.ClosedJaxpr) -> tuple[list, list]:
+def _inlined(closed) -> tuple[list, list]:
     """The live equations of `closed` with wrapper primitives (jit, custom_vjp, ...) replaced
     by their bodies, in terms of its own argument variables (constants become `_CONSTANT`),
     and its results in those terms."""
     equations, rename = [], {}
 
     def atom(x):
-        return rename.get(x, x) if isinstance(x, jax_core.Var) else x
+        return rename.get(x, x) if isinstance(x, jex_core.Var) else x
 
-    def walk(inner: jax_core.ClosedJaxpr | jax_core.Jaxpr, inputs: list) -> list:
-        if isinstance(inner, jax_core.ClosedJaxpr):
-            rename.update(dict.fromkeys(inner.jaxpr.constvars, _CONSTANT))
-            inner = inner.jaxpr
+    def walk(inner, inputs: list) -> list:
+        inner = jaxpr_and_consts(inner)[0]
+        rename.update(dict.fromkeys(inner.constvars, _CONSTANT))
         rename.update(zip(inner.invars, inputs))
         for eqn in inner.eqns:
-            body = eqn.params.get(_WRAPPERS.get(eqn.primitive.name, ""))
+            body = wrapped(eqn.primitive, eqn.params)
             if body is None:
                 equations.append(eqn.replace(invars=[atom(x) for x in eqn.invars]))
             else:
                 rename.update(zip(eqn.outvars, walk(body, [atom(x) for x in eqn.invars])))
         return [atom(x) for x in inner.outvars]
 
-    results = walk(closed, list(closed.jaxpr.invars))
-    needed, live = {x for x in results if isinstance(x, jax_core.Var)}, []
+    results = walk(closed, list(jaxpr_and_consts(closed)[0].invars))
+    needed, live = {x for x in results if isinstance(x, jex_core.Var)}, []
     for eqn in reversed(equations):  # dead code (e.g. placeholders nothing reads) dropped
         if eqn.effects or not needed.isdisjoint(eqn.outvars):
             live.append(eqn)
-            needed.update(x for x in eqn.invars if isinstance(x, jax_core.Var))
+            needed.update(x for x in eqn.invars if isinstance(x, jex_core.Var))
     return live[::-1], results

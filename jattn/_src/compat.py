@@ -1,0 +1,154 @@
+"""Every private or version-dependent JAX and torch API jattn uses, in one place.
+
+jattn supports jax >= 0.10.2, < 0.13 and torch >= 2.11 (pyproject.toml). What moves between
+those versions, or is not public API at all, is reached through the functions here, so that a
+new release is fixed in one module, whose tests (tests/test_compat.py) say which of them the
+installed versions take. torch is imported only by the functions that name it (the torch
+bridge calls them); jattn itself never imports torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+# ------------------------------------------------------------------------------------------------
+# JAX: jaxprs
+# ------------------------------------------------------------------------------------------------
+
+
+def jaxpr_and_consts(closed: Any) -> tuple[Any, Sequence[Any]]:
+    """(jaxpr, consts) of a traced function (or of an open jaxpr: no consts). jax 0.11 merged
+    ClosedJaxpr into Jaxpr; 0.10 keeps the consts beside `.jaxpr`."""
+    return getattr(closed, "jaxpr", closed), getattr(closed, "consts", ())
+
+
+def with_consts(closed: Any, consts: Sequence[Any]) -> Any:
+    """The traced function with other constants (values of the same types, or stand-ins that
+    an evaluation with a rewrite reads). jax 0.11 has `with_consts`; 0.10 `replace`."""
+    if hasattr(closed, "with_consts"):
+        return closed.with_consts(list(consts))
+    return closed.replace(consts=list(consts))
+
+
+def bind_equation(primitive, operands: Sequence[Any], params: dict[str, Any]) -> Any:
+    """primitive.bind for an equation's params: `get_bind_params` turns them into bind's
+    (a tuple (subfunctions, params) in older jax, the params alone in newer)."""
+    bind_params, subfunctions = primitive.get_bind_params(params), ()
+    if isinstance(bind_params, tuple):
+        subfunctions, bind_params = bind_params
+    return primitive.bind(*subfunctions, *operands, **bind_params)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: mesh axes (shard_map's varying-axes types)
+# ------------------------------------------------------------------------------------------------
+
+
+def varying_axes_of(aval: Any) -> frozenset:
+    """The mesh axes an abstract value varies over: jax 0.10's `manual_axis_type.varying`,
+    later versions' `vma`."""
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+# The ShapeDtypeStruct keyword that types a value's varying axes (None: this jax has none).
+VARYING_STRUCT_FIELD = next(
+    (name for name in ("manual_axis_type", "vma")
+     if name in inspect.signature(jax.ShapeDtypeStruct).parameters), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: private modules
+# ------------------------------------------------------------------------------------------------
+
+
+def backends_started() -> bool:
+    """Whether JAX has created its backends (after which XLA_PYTHON_CLIENT_* settings no longer
+    take effect)."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def dlpack_capsule_functions():
+    """(import, export): jaxlib's DLPack capsule calls that `jax.dlpack.from_dlpack` and
+    `__dlpack__` wrap, without their per-tensor host synchronisation; (None, None) where this
+    jaxlib lays them out otherwise (the public path is then used)."""
+    try:
+        from jax._src.lib import _jax as jaxlib
+        return jaxlib.dlpack_managed_tensor_to_buffer, jaxlib.buffer_to_dlpack_managed_tensor
+    except (ImportError, AttributeError):  # pragma: no cover - other jaxlib layouts
+        return None, None
+
+
+def pallas_triton_internals():
+    """The private modules the `triton`-package compile path of Pallas-Triton kernels hooks
+    into, as a namespace (pallas_core, lowering, pallas_call_registration, gpu_triton, mlir,
+    ir); None where one is missing (jaxlib built without Triton support)."""
+    import types
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.lib import gpu_triton
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas import core as pallas_core
+        from jax._src.pallas.triton import lowering
+        from jax._src.pallas.triton import pallas_call_registration
+    except ImportError:
+        return None
+    return types.SimpleNamespace(pallas_core=pallas_core, lowering=lowering,
+                                 pallas_call_registration=pallas_call_registration,
+                                 gpu_triton=gpu_triton, mlir=mlir, ir=ir)
+
+
+# ------------------------------------------------------------------------------------------------
+# torch (for the bridge; imported on first use)
+# ------------------------------------------------------------------------------------------------
+
+
+def torch_cuda_device_and_stream():
+    """(current device index, current raw stream of a device index): torch's C++ bindings,
+    a fraction of a microsecond against several for torch.cuda's Python wrappers (the ops
+    call them on every eager call)."""
+    import torch
+    try:
+        return torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+    except AttributeError:  # a CPU build of torch: no CUDA tensor reaches the callers
+        return _torch_without_cuda, _torch_without_cuda
+
+
+def _torch_without_cuda(*args):
+    raise RuntimeError("This torch was built without CUDA.")
+
+
+def torch_from_dlpack_capsule():
+    """torch's import of a DLPack capsule, the core of torch.from_dlpack without its
+    protocol checks."""
+    import torch
+    return torch._C._from_dlpack
+
+
+def torch_assume_constant_result(fn):
+    """fn, run at torch.compile trace time and its result taken as a constant (Dynamo guards
+    on its arguments)."""
+    import torch._dynamo
+    return torch._dynamo.assume_constant_result(fn)
+
+
+def torch_tracing_context():
+    """torch.compile's tracing context, None outside a compile (its fake mode tells fake
+    tensors apart from real ones)."""
+    import torch._guards
+    return torch._guards.TracingContext.try_get()
+
+
+def torch_getitem_to_index():
+    """The mode under which torch's own flex_attention traces mods (`tensor[index]` as
+    torch.ops.aten.index), so that a translated mod reads tensors as torch's would."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    return TransformGetItemToIndex
