@@ -331,45 +331,45 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
              precision_name, known_captures=((), ())):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
     arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
-    reuses that call's plan without tracing; otherwise the mods are traced at the XLA block,
-    and those traces (with the shapes and options) key the program, so a cached program is
-    found without tracing the kernels' tiles. known_captures: arrays the caller knows
-    score_mod and mask_mod read, given the first slots.
+    replays that call's plan without tracing; otherwise `_traced_program`. known_captures:
+    arrays the caller knows score_mod and mask_mod read, given the first slots.
     """
-    (B, Hq, L, E), S = q.shape, k.shape[2]
-    if config is not None and not isinstance(config, AttentionConfig):
-        raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
-    scale = canonical_scale(_OP, scale, E)
-    precision_name = precision.canonical(_OP, precision_name)
+    scale, precision_name = _canonical_options(q, config, scale, precision_name)
     dense = block_mask is None
-    eager = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v)) and known_captures == (
-        (), ())
     state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
-    key = None
-    if eager and state.record is not None:
-        key = (state.record, q.shape, k.shape, v.shape, q.dtype, scale, enable_gqa, config,
-               implementation, precision_name, None if dense else _static_fields(block_mask),
-               os.environ.get(IMPLEMENTATION_ENV), hardware.default_platform())
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return (plan.program, plan.lists if dense else block_mask.lists(),
-                    tuple(guards.fetch(plan.score_sources, state.arrays)),
-                    tuple(guards.fetch(plan.mask_sources, state.arrays)))
+    key = _plan_key(q, k, v, state, known_captures, block_mask, scale, enable_gqa, config,
+                    implementation, precision_name)
+    plan = None if key is None else _PLANS.get(key)
+    if plan is not None:
+        return plan.replayed(block_mask, state)
     if dense:
-        block_mask = _full_block_mask(L, S)
+        block_mask = _full_block_mask(q.shape[2], k.shape[2])
     program, score_caps, mask_caps = _traced_program(
         q, k, v, score_mod, block_mask, dense, scale, config, implementation, precision_name,
         known_captures)
     lists = block_mask.lists()
     if key is not None:
-        sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,
-                                                                           mask_caps)]
-        dense_lists = jax.device_put(lists) if dense else None  # moved to the device once
-        # (inside another function's trace, the lists would be that trace's values)
-        if None not in sources and not any(isinstance(x, jax.core.Tracer)
-                                           for x in jax.tree.leaves(dense_lists)):
-            _PLANS.put(key, _Plan(program, *sources, dense_lists))
+        _remember_plan(key, program, state, score_caps, mask_caps, lists if dense else None)
     return program, lists, score_caps, mask_caps
+
+
+def _canonical_options(q, config, scale, precision_name) -> tuple[float, str | None]:
+    """(scale, precision) as the programs take them; a bad config raises."""
+    if config is not None and not isinstance(config, AttentionConfig):
+        raise TypeError(f"flex_attention: `config` must be an AttentionConfig, got {config!r}.")
+    return canonical_scale(_OP, scale, q.shape[-1]), precision.canonical(_OP, precision_name)
+
+
+def _plan_key(q, k, v, state: guards.State, known_captures, block_mask, *options) -> tuple | None:
+    """The key of an eager call's plan: what the mods read, shapes, options and the
+    BlockMask's static fields. None where no plan applies: arrays traced by an outer
+    transformation, captures the caller names, or mods reading what guards cannot record."""
+    if (state.record is None or known_captures != ((), ())
+            or any(isinstance(x, jax.core.Tracer) for x in (q, k, v))):
+        return None
+    return (state.record, q.shape, k.shape, v.shape, q.dtype, *options,
+            None if block_mask is None else _static_fields(block_mask),
+            os.environ.get(IMPLEMENTATION_ENV), hardware.default_platform())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,9 +382,27 @@ class _Plan:
     mask_sources: tuple
     lists: MaskLists | None
 
+    def replayed(self, block_mask: BlockMask | None, state: guards.State):
+        """`_prepare`'s result for a call whose mods read `state`."""
+        return (self.program, self.lists if block_mask is None else block_mask.lists(),
+                tuple(guards.fetch(self.score_sources, state.arrays)),
+                tuple(guards.fetch(self.mask_sources, state.arrays)))
+
 
 # Plans by the mods' guards record, shapes, options and the BlockMask's static fields.
 _PLANS: ProgramCache[_Plan] = ProgramCache("flex_attention.plans")
+
+
+def _remember_plan(key, program: _Program, state: guards.State, score_caps, mask_caps,
+                   dense_lists: MaskLists | None) -> None:
+    """Stores the plan of a traced eager call, unless it would hold a traced value past the
+    call (a capture, or a dense call's lists made inside another function's trace)."""
+    sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps, mask_caps)]
+    if dense_lists is not None:
+        dense_lists = jax.device_put(dense_lists)  # moved to the device once
+    if None not in sources and not any(isinstance(x, jax.core.Tracer)
+                                       for x in jax.tree.leaves(dense_lists)):
+        _PLANS.put(key, _Plan(program, *sources, dense_lists))
 
 
 def _static_fields(block_mask: BlockMask) -> tuple:

@@ -277,42 +277,55 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     dims = _checked_dims(q, k, v, score_mod, block_mask, config)
     block_mask = None if block_mask is None else fitted(block_mask)  # the kernels' blocks
     B, Hq, Lq, E = q.shape
-    S, Ev = dims.S, dims.Ev
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
-                                      value_dim=Ev)
+                                      value_dim=dims.Ev)
     scale = canonical_scale(_OP, scale, E)
     precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
-    kv_len, checked = _lengths(kv_len, B, S, cache)
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    state = guards.read_state(score_mod, mask_mod)
-    index_bounds.check_mods(
-        _OP, [("score_mod", score_mod, state.record), ("mask_mod", mask_mod, state.record)],
-        dict(b=B, h=Hq, q_idx=_query_positions(kv_len, Lq, checked), kv_idx=S))
+    kv_len, checked = _lengths(kv_len, B, dims.S, cache)
+    state = guards.read_state(score_mod, None if block_mask is None else block_mask.mask_mod)
+    _check_reads(score_mod, block_mask, state, q.shape, dims.S, kv_len, checked)
 
-    if 0 in (B, Lq, S):  # nothing to compute: empty, or no key to attend to
-        out = jnp.zeros((B, Hq, Lq, Ev), q.dtype)
+    if 0 in (B, Lq, dims.S):  # nothing to compute: empty, or no key to attend to
+        out = jnp.zeros((B, Hq, Lq, dims.Ev), q.dtype)
         lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
     elif not implementation.backend.pallas or Lq > MAX_DECODE_QUERIES:
         bad = None if checked else _bad_lengths(
-            jnp, jnp.asarray(kv_len), S, dims.page_size, dims.num_pages,
+            jnp, jnp.asarray(kv_len), dims.S, dims.page_size, dims.num_pages,
             None if cache is None else cache.page_table)
         out, lse = _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale,
                                implementation, precision)
     else:
-        if cache is not None:
-            k, v, table = cache.k_pages, cache.v_pages, cache.page_table
-        else:
-            table = None
-        program, score_caps, mask_caps = _kernel_plan(
-            q, k, v, table, score_mod, block_mask, dims, static_length, not checked, scale,
-            config, implementation, precision, state)
-        lists = [] if block_mask is None else block_mask.lists().major("kv")
-        # The kernels clip the lengths and write NaN rows for bad sequences themselves: under
-        # jit each XLA op here would be a kernel launch of its own per call.
-        out, lse = program(q, k, v, None if static_length else kv_len, table, lists,
-                           score_caps, mask_caps)
+        out, lse = _kernel_decode(q, k, v, cache, score_mod, block_mask, dims,
+                                  None if static_length else kv_len, not checked, scale,
+                                  config, implementation, precision, state)
     return (out, lse) if return_lse else out
+
+
+def _check_reads(score_mod, block_mask, state: guards.State, q_shape, S: int, kv_len,
+                 checked: bool) -> None:
+    """index_bounds' check of the mods' reads at the call's positions (the query positions
+    where the host holds kv_len), skipped for mods already checked at these sizes."""
+    B, Hq, Lq, _ = q_shape
+    mask_mod = None if block_mask is None else block_mask.mask_mod
+    index_bounds.check_mods(
+        _OP, [("score_mod", score_mod, state.record), ("mask_mod", mask_mod, state.record)],
+        dict(b=B, h=Hq, q_idx=_query_positions(kv_len, Lq, checked), kv_idx=S))
+
+
+def _kernel_decode(q, k, v, cache, score_mod, block_mask, dims: _Dims, kv_len, check, scale,
+                   config, implementation, precision, state: guards.State):
+    """(out, lse) of the split-KV kernels; kv_len None: every sequence is the whole cache.
+    The kernels clip the lengths and write NaN rows for bad sequences themselves (with
+    `check`): under jit each XLA op here would be a kernel launch of its own per call."""
+    table = None
+    if cache is not None:
+        k, v, table = cache.k_pages, cache.v_pages, cache.page_table
+    program, score_caps, mask_caps = _kernel_plan(
+        q, k, v, table, score_mod, block_mask, dims, kv_len is None, check, scale, config,
+        implementation, precision, state)
+    lists = [] if block_mask is None else block_mask.lists().major("kv")
+    return program(q, k, v, kv_len, table, lists, score_caps, mask_caps)
 
 
 class _Dims(NamedTuple):
