@@ -61,13 +61,12 @@ def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool
     """The default config for a head dim and a BlockMask block size; `masked`: the BlockMask
     has a mask_mod (partial blocks), which moves the D <= 64 optimum; `triton_compiler`: the
     `triton` package can compile the forward kernel."""
-    # H100 sweeps (benchmarks/HISTORY.md, "Forward tile sweep", same run as torch's compiled
-    # flex_attention). Compiled by the `triton` package: D128 without a mask_mod 128x64 w4 s4
-    # (486/477 TFLOP/s against torch's 477/467; at L16k 508); D <= 64 128x64 w4 s5 (full 414,
-    # causal 361 against torch's 406 / 349). With a mask_mod at D128, XLA's compile of 128x64
-    # w4 s2 (391 causal) leads every Triton 3.6 config (288-388). Without `triton`, XLA's best:
+    # The fastest configs of the H100 tile sweeps (benchmarks/HISTORY.md, "FlexAttention").
+    # Compiled by the `triton` package: D128 without a mask_mod 128x64 w4 s4, level with
+    # torch's compiled flex_attention; D <= 64 128x64 w4 s5. With a mask_mod at D128, XLA's
+    # compile of 128x64 w4 s2 leads every Triton 3.6 config. Without `triton`, XLA's best:
     # 128x64 w4 s2 at D128, at D64 64x128 w4 s3 without a mask_mod, 64x64 w4 s3 with one.
-    # Backward: 64x64 w4 s2 led every case of the backward sweep.
+    # Backward: 64x64 w4 s2, fastest at every shape of the backward sweep.
     if head_dim > 64 and (masked or not triton_compiler):
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
     elif head_dim > 64:

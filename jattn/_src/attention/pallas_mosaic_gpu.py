@@ -73,9 +73,9 @@ def unreadable_capture(score_mod, mask_mod, score_captures, mask_captures,
 
 def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str | None:
     """Why the default choice passes this forward over for a call it supports: where
-    benchmarks/bench_mosaic_selection.py measured pallas_triton's faster (session 15, H200,
-    bf16: head dim 64 below 4096 queries without a score_mod, 0.94-0.98x; everywhere else
-    1.01-1.48x)."""
+    benchmarks/bench_mosaic_selection.py finds pallas_triton's forward faster (bf16: head dim
+    64 below 4096 queries without a score_mod; this forward leads everywhere else; numbers in
+    benchmarks/HISTORY.md)."""
     if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
         return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
                 "score_mod (measured 0.94-0.98x).")

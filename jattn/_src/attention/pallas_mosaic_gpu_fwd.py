@@ -28,11 +28,11 @@ from jattn._src.constants import LOG2_E, MASK_VALUE
 
 SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
-# from one into the next. H100, 8 against 1: +4.4% full, +4.8% document masks, 0% causal at
-# B4 H16 L4096 D128; +3% full, +9% document masks at D64; +1% full, +3% causal at L16384.
-# Without a BlockMask every tile has the same work, and 16 gained another 0.3-2.2%; with one,
-# rows of unequal work need programs to spare for the hardware to balance (16 lost 34-40% on
-# causal masks, where the programs fit in one wave over the SMs).
+# from one into the next: on the H100, 8 is faster than 1 on full and document masks and no
+# slower on causal ones. Without a BlockMask every tile has the same work, and 16 is a little
+# faster still; with one, rows of unequal work need programs to spare for the hardware to
+# balance (16 is far slower on causal masks, where the programs fit in one wave over the SMs).
+# Numbers: benchmarks/HISTORY.md, "Several tiles per program on the Mosaic forward".
 MAX_TILES_PER_PROGRAM = 8
 MAX_TILES_PER_PROGRAM_DENSE = 16
 

@@ -22,10 +22,10 @@ Performance model (H100, Hq 32, Hkv 8, D 128, bf16, Lq 1; bytes = K + V read onc
 streams 64x128 K and V tiles (16 KiB each); 3 pipeline stages keep two steps (64 KiB) in flight
 and two programs share an SM, ~128 KiB per SM, several times what Little's law needs at
 3.35 TB/s and ~1 us of latency. The math per step (a 16x128x64 and a 16x64x128 dot, 1024 exp2)
-hides under the loads. Measured on the H100 (session 9, B8/32k): 351-354 us per call in the
-kernel (DRAM 90-91% of peak, cuDNN's split-KV kernel 350 us) and 2.3-3.4 us in the merge; 3.0
-TB/s in the benchmark. Tile, stage and split sweeps (sessions 4-9) found nothing more than ~1%
-above the defaults (64-row tiles, 4 warps, 4 stages when a split streams >= 48 tiles).
+hides under the loads. On the H100 at B8/32k the kernel runs at ~90% of DRAM peak, level with
+cuDNN's split-KV kernel, the merge adds a few microseconds, and no tile, stage or split count
+beats the defaults (64-row tiles, 4 warps, 4 stages when a split streams >= 48 tiles) by more
+than ~1% (benchmarks/HISTORY.md, "Flex decoding").
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def forward(p: DecodeProblem, q, k, v, kv_len, page_table, lists, score_caps, ma
     bad: bool [B] or None: sequences whose rows come out NaN.
 
     Two launches: the split-KV kernel writes float32 partials of the real rows, then one
-    program per query row merges its splits (one kernel: XLA ran the merge as two, and every
+    program per query row merges its splits (one kernel: XLA would run the merge as two, and every
     launch is ~1% of a B8/32k call).
     """
     rows_m, splits, bk = p.block_m, p.config.num_splits, p.config.block_k

@@ -89,9 +89,9 @@ def heuristic_config(*, page_size: int | None, mask_block: int | None) -> Decode
 
 
 # The heuristic pipelines 4 stages deep when a split streams at least this many tiles, else 3:
-# H100, session 4 (GB/s, 3 -> 4 stages): 64 tiles per split (B8/32k) 2672 -> 2874, 256 (B8/128k)
-# 2662 -> 2848; but 8 (B1/8k) 1183 -> 933 and 16 (B1/32k) 2198 -> 2134, where filling the
-# deeper pipeline is a larger share of a short run; 32 and 62 tiles: equal within 1%.
+# on the H100 4 stages are faster on long splits (64 and 256 tiles) and slower on short ones (8
+# and 16 tiles), where filling the deeper pipeline is a larger share of the run; in between
+# (32 and 62 tiles) the two are level (benchmarks/HISTORY.md, "Flex decoding").
 DEEP_PIPELINE_TILES = 48
 
 

@@ -66,7 +66,7 @@ class MatmulConfig:
 def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
     """K splits for problems with too few output tiles to half-fill the GPU.
 
-    Each split keeps >= 4 K steps. Measured on the H100, M=16 N=K=8192 (128 tiles) ran as fast
+    Each split keeps >= 4 K steps. On the H100, M=16 N=K=8192 (128 tiles) runs as fast
     without a split, so splitting starts only below half the SMs.
     """
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
@@ -91,12 +91,13 @@ def heuristic_config(m: int, n: int, k: int, dtype: np.dtype) -> MatmulConfig:
         config = MatmulConfig(block_m=64, block_n=128, block_k=256 // itemsize, group_m=1,
                               num_warps=4, num_stages=4)
     elif itemsize == 1 and m * n > 2048 * 2048:
-        # fp8 (scaled_matmul) at 8192^3 on the H100: 956 TFLOP/s promoting every 128 K
-        # (128 x 256 tiles: 624), 1207 with fast accumulation (128 x 256: 1256).
+        # fp8 (scaled_matmul): promoting every 128 K, 128 x 256 tiles (whose doubled
+        # accumulator does not fit) run far slower at 8192^3 on the H100; with fast
+        # accumulation the two are close (benchmarks/HISTORY.md).
         config = MatmulConfig(block_m=256, block_n=128, block_k=128, group_m=8, num_warps=8,
                               num_stages=4)
     elif itemsize <= 2 and m * n > 2048 * 2048:
-        # The plain row-major tile order (group_m=1) beat group_m = 4, 8 and 16 at 4096^3 and
+        # The plain row-major tile order (group_m=1) beats group_m = 4, 8 and 16 at 4096^3 and
         # 8192^3.
         config = MatmulConfig(block_m=128, block_n=256, block_k=64, group_m=1, num_warps=8,
                               num_stages=3)
@@ -115,10 +116,9 @@ def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
     `bits`-bit integers.
 
     Decode-shaped M (<= 64) streams the weight once; one row tile covers all of M. The H100
-    sweep winners at M=16, N=K=8192: int8 64 x 512 tiles, 4 stages, no split (2.15 TB/s of
-    weight); int4 128 x 128, 4 stages, split 4 (0.93 TB/s, 1.0-1.2 TB/s since the inline-PTX
-    widening; an 18-config sweep of tiles, warps, stages and splits 1-8 found nothing faster).
-    Larger M runs the dense bf16 tiles.
+    sweep winners at M=16, N=K=8192 (benchmarks/HISTORY.md): int8 64 x 512 tiles, 4 stages, no
+    split; int4 128 x 128, 4 stages, split 4 (no config of the int4 sweep over tiles, warps,
+    stages and splits 1-8 is faster). Larger M runs the dense bf16 tiles.
     """
     if m > 64:
         config = heuristic_config(m, n, k, np.float16)  # it reads only the 2-byte itemsize
@@ -131,7 +131,7 @@ def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
         k_steps = -(-k // config.block_k)
         config = dataclasses.replace(config, split_k=max(1, min(4, k_steps // 4)))
     # Shorter K steps until the pipelined activation and weight tiles fit in shared memory
-    # (on the H100 Triton asked for num_stages copies plus 32 KiB: 425984 bytes at M=64 int8).
+    # (Triton asks for num_stages copies plus 32 KiB: 425984 bytes at M=64 int8 on the H100).
     while (config.block_k > 32 and 32 * 1024 + config.num_stages * config.block_k
            * (2 * config.block_m + config.block_n * bits // 8) > SHARED_MEMORY_BYTES):
         config = dataclasses.replace(config, block_k=config.block_k // 2)
@@ -213,7 +213,7 @@ def heuristic_b2b_config(outer: int, held: int, inner: int, k: int,
     """Default b2b tiles: `outer` output rows/columns split over programs, `held` kept whole.
 
     Held side <= 128: the H100 sweep winner at M=8192, K=N=128, P=8192 in bf16 (64 x 128
-    chunks, block_k 128, 4 warps, 3 stages: 2.3x the two XLA GEMMs; 2 stages ran 1.3x slower).
+    chunks, block_k 128, 4 warps, 3 stages; benchmarks/HISTORY.md).
     Wider held sides (untuned) get 8 warps and a narrower chunk so that accumulator and chunk
     stay in registers.
     """

@@ -248,9 +248,9 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
     pallas_triton.compile).
 
     Compiler: the `triton` package where installed, except for kernels with a user epilogue.
-    H100 A/B, same kernels (benchmarks/HISTORY.md): without an epilogue its code ran at
-    0.96-1.04x XLA's compile of it at every bench_matmul shape, with bitwise equal results
-    (and interop can then launch it without JAX); with the gelu epilogue at 0.91x.
+    On the H100 (benchmarks/HISTORY.md), without an epilogue its code runs level with XLA's
+    compile of the same kernel at every bench_matmul shape, with bitwise equal results (and
+    interop can then launch it without JAX); with the gelu epilogue it is slower.
     """
     a, b = pairs[0]
     m = a.shape[1] if transpose_a else a.shape[0]

@@ -84,11 +84,10 @@ def _nibble_planes(q, dtype, interpret: bool):
     return plane(0), plane(4)
 
 
-# Row tiles up to this size widen int4 with _nibble_planes' inline PTX. H100, N=K=8192, 4
-# stages (benchmarks/HISTORY.md): M=16 27.8-28.7 us against 37.3 with the jnp form; at M=64 the
-# split activation tile cost more than the widening saved (51.7 us against 47.4), and joining
-# the asm planes back into k order gave wrong results on the GPU, so larger tiles keep the jnp
-# form.
+# Row tiles up to this size widen int4 with _nibble_planes' inline PTX, which is much faster
+# than the jnp form at M=16 (H100, N=K=8192, 4 stages; benchmarks/HISTORY.md). At M=64 the
+# split activation tile costs more than the widening saves, and joining the asm planes back
+# into k order gives wrong results on the GPU, so larger tiles keep the jnp form.
 ASM_WIDENING_ROWS = 16
 
 

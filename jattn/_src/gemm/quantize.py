@@ -26,7 +26,7 @@ def check_group_size(op: str, bits: int, k: int, group_size) -> None:
     """group_size: None (per channel) or a positive multiple of 16 (int8) / 32 (int4) dividing K.
 
     The multiple keeps each group's slice of K a whole number of tensor-core dot steps (int4:
-    at least 16 bytes of a weight row; 8-byte int4 chunks gave wrong results on the H100).
+    at least 16 bytes of a weight row; 8-byte int4 chunks give wrong results on the H100).
     """
     if group_size is None:
         return

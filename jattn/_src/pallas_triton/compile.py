@@ -1,7 +1,7 @@
 """Pallas-Triton kernels compiled by the Triton compiler itself, where it is installed.
 
 jax 0.11 hands a pallas_call's Triton IR to XLA, whose bundled Triton pipeline compiles it; for
-the flex attention forward that code ran slower on the H100 than the same IR compiled by the
+the flex attention forward that code runs slower on the H100 than the same IR compiled by the
 `triton` package (3.6, the compiler torch uses) at some configs and faster at others
 (benchmarks/HISTORY.md), so the kernel configs name their compiler. A pallas_call given
 `compiler_params(..., compiler="triton")` is lowered to the same Triton IR by Pallas, run

@@ -6,7 +6,7 @@ aside) whose kernel the `triton` package compiles (`compiler="triton"`, see
 `pallas_triton.compile`), the compiled kernel JAX launches through XLA can be launched by
 Triton's own launcher instead: no JAX dispatch, no buffers to import or export, no stream to
 synchronise. interop's eager torch ops use this; it costs a few microseconds of host time
-against JAX's 40-70 per call (benchmarks/HISTORY.md, issue 4).
+against JAX's 40-70 per call (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
