@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/python -m jattn.demo
 
+# One worker per core, at most 4 (each holds its own JAX and torch); a test file stays on one
+# worker, in order.
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 # On a GPU machine with jax, torch and pytest already installed (no venv):
 bench-matmul:

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 import torch
 
 from jattn._src import bridge
+from . import _translate
 
 _GetItemToIndex = bridge.compat.torch_getitem_to_index()
-from . import _translate
 
 ARITY = {"score": 5, "mask": 4}
 _SIGNATURES = {"score": "(score, b, h, q_idx, kv_idx)", "mask": "(b, h, q_idx, kv_idx)"}

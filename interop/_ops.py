@@ -115,7 +115,8 @@ def _rebuild(parts: tuple):
     return fn
 
 
-@bridge.compat.torch_assume_constant_result  # runs (and translates) at trace time: a constant key
+# runs (and translates) at trace time: a constant key
+@bridge.compat.torch_assume_constant_result
 def _key_while_tracing(n_score: int, *parts) -> str:
     score = _rebuild(parts[:n_score]) if n_score else None
     mask = _rebuild(parts[n_score:]) if len(parts) > n_score else None
@@ -141,7 +142,8 @@ def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
     return key, tensors
 
 
-@bridge.compat.torch_assume_constant_result  # its arguments are realised, hence guarded, at trace time
+# its arguments are realised, hence guarded, at trace time
+@bridge.compat.torch_assume_constant_result
 def _guard_on(*values) -> int:
     return 0
 
