@@ -322,13 +322,14 @@ def _follow_layout(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod=None, block_mask=None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options=None,
-                   *, return_aux=None, implementation: str | None = None):
+                   *, return_aux=None, implementation: str | None = None,
+                   sinks: torch.Tensor | None = None):
     """`jattn.flex_attention` on torch tensors, with torch FlexAttention's signature and
     behaviour (`torch.nn.attention.flex_attention.flex_attention`).
 
     query [B, Hq, L, E], key [B|1, Hkv, S, E], value [B|1, Hkv, S, Ev] on one device, any of
     bfloat16, float16, float32 and float64: key and value are cast to query's dtype and the
-    output has it (float64 is computed in float32). score_mod `f(score, b, h, q_idx, kv_idx)`
+    output has it (float64 is computed in float64, on the CPU). score_mod `f(score, b, h, q_idx, kv_idx)`
     and the block mask's mask_mod `f(b, h, q_idx, kv_idx)` are torch-written (any callable:
     function, lambda, bound method, functools.partial, nn.Module) or JAX functions such as
     `jattn.mods`. What a torch mod reads is re-read on every call: tensors it closes over are
@@ -341,6 +342,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=True) torch's
     AuxOutput. In eager mode on CUDA, a forward that is one kernel compiled by the `triton`
     package is launched on torch's current stream without going through JAX (README).
+    sinks (a jattn addition to torch's signature): attention sinks, one logit per query head
+    [Hq], as in `jattn.flex_attention`; a tensor that requires grad gets its gradient, and
+    the LSE returned includes them.
 
     Example::
 
@@ -353,12 +357,13 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     with _dlpack.x64_scope(query):
         return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                               return_lse, kernel_options, return_aux, implementation)
+                               return_lse, kernel_options, return_aux, implementation, sinks)
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                    kernel_options, return_aux, implementation):
+                    kernel_options, return_aux, implementation, sinks=None):
     want_lse = _lse_request(return_lse, return_aux)
+    _check_sinks(sinks, query)
     original, dtype = query, _compute_dtype(query)
     config = _config(kernel_options, dtype)
     query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
@@ -375,13 +380,40 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                     config, return_lse=True)
     else:
         out, lse = _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S,
-                               scale, enable_gqa, implementation, config, want_lse)
+                               scale, enable_gqa, implementation, config,
+                               want_lse or sinks is not None)
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
     out = _follow_layout(out, original)
     if out.dtype != original.dtype:
         out = out.to(original.dtype)
     if return_aux is not None:
         return out, _flex.AuxOutput(lse=lse if want_lse else None)
     return (out, lse) if want_lse else out
+
+
+def _check_sinks(sinks, query) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"flex_attention: `sinks` must be a tensor, got {type(sinks).__name__}.")
+    heads = query.shape[1] if query.dim() == 4 else None
+    if heads is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"flex_attention: `sinks` must hold one logit per query head, shape "
+                         f"({heads},); got {tuple(sinks.shape)}.")
+    if not sinks.is_floating_point():
+        raise TypeError(f"flex_attention: `sinks` must be floating point, got {sinks.dtype}.")
+    if sinks.device != query.device:
+        raise ValueError(f"flex_attention: `sinks` is on {sinks.device}, query on "
+                         f"{query.device}: move it with .to(query.device).")
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor):
+    """(out, lse) with the sinks in every row's denominator, in torch ops (autograd takes
+    them, the op's LSE cotangent included): jattn/_src/attention/sinks.py's formula."""
+    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+    kept = torch.exp(lse - new_lse)
+    return (out.to(kept.dtype) * kept[..., None]).to(out.dtype), new_lse
 
 
 def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale, enable_gqa,

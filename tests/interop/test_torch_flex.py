@@ -418,3 +418,45 @@ def test_float32_follows_torchs_tf32_flag():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = flag
     assert errors[False] < 2e-6 < errors[True]
+
+
+def test_sinks_agree_with_torch_flex_attention_patched_through_its_lse():
+    """jattn's sinks keyword against what torch users write today: torch's flex_attention's
+    output rescaled through its LSE, in float64; gradients of q, k, v and the sinks against
+    torch autograd through a softmax with the sink as one more column (torch's flex has no
+    CPU backward)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, HQ, 64, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = torch.randn(HQ, generator=gen, dtype=torch.float64)
+    causal = jattn.masks.causal_mask
+    ours_mask = jt.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    torch_mask = flex.create_block_mask(causal, None, None, 64, 64, device="cpu",
+                                        BLOCK_SIZE=32)
+
+    def ours(q, k, v, sinks):
+        return jt.flex_attention(q, k, v, block_mask=ours_mask, sinks=sinks, return_lse=True)
+
+    out, lse = flex.flex_attention(q, k, v, block_mask=torch_mask, return_lse=True)
+    patched_lse = torch.logaddexp(lse, sinks[:, None])
+    patched = out * torch.exp(lse - patched_lse)[..., None]
+    for got, expected in zip(ours(q, k, v, sinks), (patched, patched_lse)):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+    def softmax_with_a_sink_column(q, k, v, sinks):
+        scores = (q @ k.transpose(-1, -2)) * 16 ** -0.5
+        scores = scores.masked_fill(~torch.ones(64, 64, dtype=torch.bool).tril(), -torch.inf)
+        column = sinks[None, :, None, None].expand(*scores.shape[:3], 1)
+        full = torch.cat([scores, column], dim=-1)
+        return torch.softmax(full, dim=-1)[..., :-1] @ v, torch.logsumexp(full, dim=-1)
+
+    cotangents = [torch.randn(1, HQ, 64, 16, generator=gen, dtype=torch.float64),
+                  torch.randn(1, HQ, 64, generator=gen, dtype=torch.float64)]
+    grads = []
+    for attend in (ours, softmax_with_a_sink_column):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v, sinks)]
+        torch.autograd.backward(attend(*inputs), cotangents)
+        grads.append([x.grad for x in inputs])
+    for got, expected, name in zip(*grads, ["dq", "dk", "dv", "dsinks"]):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=name)
+    with pytest.raises(ValueError, match=r"`sinks` must hold one logit per query head"):
+        jt.flex_attention(q, k, v, sinks=torch.zeros(2, dtype=torch.float64))

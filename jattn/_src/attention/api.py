@@ -18,6 +18,7 @@ from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_mod,
                                          checked_score_mod, trace_mods, without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
+from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.constants import IMPLEMENTATION_ENV
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
 from jattn._src.masks.fitting import fitted
@@ -207,7 +208,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None, *,
                    scale: float | None = None, enable_gqa: bool = False,
                    return_lse: bool = False, config: AttentionConfig | None = None,
-                   implementation: str | None = None, precision: str | None = None):
+                   implementation: str | None = None, precision: str | None = None,
+                   sinks: jax.Array | None = None):
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
@@ -231,6 +233,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
         caller's setting (JAX's default: TF32 on the GPU), "highest" gives full float32 products
         in the kernels and XLA alike (torch's flex_attention default). No effect on bf16/fp16.
+      sinks: attention sinks, one logit per query head [Hq] (float32, learnable: it gets a
+        gradient): each row's softmax counts exp(sinks[h]) in its denominator as a key no
+        value belongs to (gpt-oss, StreamingLLM); the LSE returned includes it.
 
     Returns:
       out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L] (float64
@@ -253,10 +258,16 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     neither traces nor compiles. Arrays the mods close over are arguments, so new values
     reuse the program.
     """
-    return flex_attention_with_captures(q, k, v, score_mod, block_mask, scale=scale,
-                                        enable_gqa=enable_gqa, return_lse=return_lse,
-                                        config=config, implementation=implementation,
-                                        precision=precision)
+    sinks = checked_sinks(_OP, sinks, jnp.shape(q)[1] if jnp.ndim(q) == 4 else None)
+    result = flex_attention_with_captures(q, k, v, score_mod, block_mask, scale=scale,
+                                          enable_gqa=enable_gqa,
+                                          return_lse=return_lse or sinks is not None,
+                                          config=config, implementation=implementation,
+                                          precision=precision)
+    if sinks is None:
+        return result
+    out, lse = with_sinks(*result, sinks)
+    return (out, lse) if return_lse else out
 
 
 def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,

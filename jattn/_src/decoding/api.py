@@ -14,6 +14,7 @@ from jattn._src import backends, guards, index_bounds
 from jattn._src.attention import pallas_triton_split_kv
 from jattn._src.attention.common import (canonical_scale, checked_mask_mod, checked_score_mod,
                                          without_captures)
+from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, DecodeProblem, make_problem
 from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding import xla
@@ -224,7 +225,8 @@ def _kernel_program(p: DecodeProblem, precision: str | None, check: bool) -> Cal
 def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
                 block_mask: BlockMask | None = None, *, kv_len=None, scale: float | None = None,
                 return_lse: bool = False, config: DecodeConfig | None = None,
-                implementation: str | None = None, precision: str | None = None):
+                implementation: str | None = None, precision: str | None = None,
+                sinks: jax.Array | None = None):
     """Attention of a few new queries per sequence over a KV cache (decoding), split over keys.
 
         cache positions of sequence b:  0 1 2 ... kv_len[b]-Lq ... kv_len[b]-1 | kv_len[b] ... S-1
@@ -249,6 +251,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
       implementation: "pallas_triton", "xla" or "interpret" (default: $JATTN_IMPLEMENTATION,
         else by platform; `jattn.explain` says which and why).
       precision: float32 products, as in flex_attention (None: the caller's setting).
+      sinks: attention sinks [Hq], one logit per query head, as in flex_attention.
 
     Returns:
       out [B, Hq, Lq, Ev] of q's dtype (and the LSE). A query that attends to nothing (kv_len 0,
@@ -275,6 +278,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     if cache is None and k is not None and v is not None:
         k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (k, v))
     dims = _checked_dims(q, k, v, score_mod, block_mask, config)
+    sinks = checked_sinks(_OP, sinks, q.shape[1])
     block_mask = None if block_mask is None else fitted(block_mask)  # the kernels' blocks
     B, Hq, Lq, E = q.shape
     implementation = backends.resolve(_OP, implementation, dtype=q.dtype, head_dim=E,
@@ -299,6 +303,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
         out, lse = _kernel_decode(q, k, v, cache, score_mod, block_mask, dims,
                                   None if static_length else kv_len, not checked, scale,
                                   config, implementation, precision, state)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

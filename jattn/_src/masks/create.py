@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -177,10 +178,11 @@ def _check_sizes(fn: str, B, H, Q_LEN, KV_LEN) -> tuple[int, int, int, int]:
                                   ("KV_LEN", KV_LEN, False)):
         if value is None and optional:
             value = 1
-        if not isinstance(value, int) or value < 1:
+        # any integer (numpy's too), never a bool or a float
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{fn}: `{name}` must be a positive int"
                              f"{' or None' if optional else ''}, got {value!r}.")
-        sizes.append(value)
+        sizes.append(int(value))
     return tuple(sizes)
 
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.attention.api import flex_attention, flex_attention_backward
+from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.mesh_axes import aligned, summed_to_vary_like
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
@@ -260,7 +261,7 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         enable_gqa: bool = False, return_lse: bool = False,
                         implementation: str | None = None, block_size: int = 128,
                         token_arrays: Sequence[jax.Array] = (),
-                        block_mask: BlockMask | None = None):
+                        block_mask: BlockMask | None = None, sinks: jax.Array | None = None):
     """flex_attention over a sequence sharded across the devices of a mesh axis (a ring).
 
     Call it inside `jax.shard_map` with q, k and v sharded along the sequence (axis 2) over
@@ -291,6 +292,9 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         on global positions, the sequence in its original order): each pair's blocks are cut
         from it, so no mask is evaluated to find them. Its blocks must tile each shard (each
         half shard for zigzag).
+      sinks: attention sinks [Hq], one logit per query head, as in flex_attention, the same
+        on every device of the ring (replicated): each device's rows count them once, and
+        their gradient is the sum over the devices.
 
     Returns:
       [B, Hq, Lc, Ev] of q's dtype, this device's shard of the output; with return_lse also
@@ -313,5 +317,8 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
         enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
         token_arrays=token_arrays, block_mask=block_mask)
+    sinks = checked_sinks(_FN, sinks, q.shape[1])
     out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, block_mask)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn._src.attention.api import flex_attention
+from jattn._src.attention.sinks import checked_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
@@ -58,7 +59,8 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            scale: float | None = None, enable_gqa: bool = False,
                            return_lse: bool = False, implementation: str | None = None,
                            block_size: int = 128, token_arrays: Sequence[jax.Array] = (),
-                           block_mask: BlockMask | None = None):
+                           block_mask: BlockMask | None = None,
+                           sinks: jax.Array | None = None):
     """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
     over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
 
@@ -81,6 +83,8 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         from `jattn.create_block_mask`; its mask_mod on global indices): each device takes
         its batch rows' and heads' blocks, and the ring cuts each pair's from it (see
         ring_flex_attention), so no mask is evaluated to find them.
+      sinks: attention sinks [Hq], one logit per query head, as in flex_attention (split
+        with the heads over `head_axis`).
 
     Returns:
       [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
@@ -125,7 +129,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
         return dataclasses.replace(jax.tree.map(rows, whole), mask_mod=mask)
 
-    def local(q, k, v, whole, *tokens):
+    def local(q, k, v, whole, sinks, *tokens):
         if sequence_axis is not None:
             score, mask = global_mods()
             blocks = None if whole is None else local_blocks(whole, mask)
@@ -133,7 +137,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                        axis_name=sequence_axis, layout=layout, scale=scale,
                                        enable_gqa=enable_gqa, return_lse=True,
                                        implementation=implementation, block_size=block_size,
-                                       token_arrays=tokens, block_mask=blocks)
+                                       token_arrays=tokens, block_mask=blocks, sinks=sinks)
         score, mask = global_mods(*tokens)
         blocks = None if whole is None else local_blocks(whole, mask)
         if whole is None and mask is not None:
@@ -142,9 +146,11 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                        q.shape[1] if uses_h else None, q.shape[2],
                                        k.shape[2], block_size=block_size)
         return flex_attention(q, k, v, score, blocks, scale=scale, enable_gqa=enable_gqa,
-                              return_lse=True, implementation=implementation)
+                              return_lse=True, implementation=implementation, sinks=sinks)
 
     token_specs = tuple(P(*(None,) * (jnp.ndim(x) - 1), sequence_axis) for x in token_arrays)
-    out, lse = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3 + (P(),) + token_specs,
-                             out_specs=(spec, spec))(q, k, v, block_mask, *token_arrays)
+    sinks = checked_sinks(_FN, sinks, q.shape[1])
+    out, lse = jax.shard_map(local, mesh=mesh,
+                             in_specs=(spec,) * 3 + (P(), P(head_axis)) + token_specs,
+                             out_specs=(spec, spec))(q, k, v, block_mask, sinks, *token_arrays)
     return (out, lse) if return_lse else out
