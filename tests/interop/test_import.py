@@ -22,7 +22,10 @@ def test_preallocation_is_set_only_before_jax_starts():
     after = _run("import os; os.environ.pop('XLA_PYTHON_CLIENT_PREALLOCATE', None); "
                  "import jax.numpy as jnp; jnp.ones(1); import interop; "
                  "print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))")
+    chosen = _run("import os; os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'true'; "
+                  "import interop; print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])")
     assert before.stdout.split() == ["false"] and after.stdout.split() == ["None"]
+    assert chosen.stdout.split() == ["true"]  # the user's choice stands
 
 
 def test_a_source_checkout_on_the_path_imports_jattn_torch():
