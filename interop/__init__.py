@@ -32,7 +32,7 @@ def _share_modules(twin: str, name: str) -> None:
 def _jax_has_started() -> bool:
     if "jax" not in sys.modules:
         return False
-    from jattn._src import compat
+    from jattn._src.bridge import compat
 
     return compat.backends_started()
 

@@ -76,8 +76,13 @@ def test_unsupported_call_falls_back_or_raises_when_named(monkeypatch):
 def test_explain_names_the_implementation_of_each_op(monkeypatch):
     monkeypatch.delenv("JATTN_IMPLEMENTATION", raising=False)
     q = jnp.asarray(np.ones((1, 2, 64, 16)), jnp.float32)
-    text = jattn.explain(lambda: (jattn.flex_attention(q, q, q),
-                                  jattn.matmul(q[0, 0], q[0, 0].T, implementation="interpret")))
+
+    def calls():
+        return (jattn.flex_attention(q, q, q),
+                jattn.matmul(q[0, 0], q[0, 0].T, implementation="interpret"))
+
+    calls()  # eager calls made before are reported too (not replayed from their plans)
+    text = jattn.explain(calls)
     default = "pallas_triton" if has_cuda() else "xla"
     assert text.splitlines() == [f"flex_attention: {default} (platform default "
                                  f"({'gpu' if has_cuda() else 'cpu'}))",

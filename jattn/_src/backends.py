@@ -158,6 +158,12 @@ def recording() -> Iterator[list[Resolution]]:
         _EXPLAINING.reset(token)
 
 
+def explaining() -> bool:
+    """Whether calls are being explained (`recording`): eager calls then resolve their
+    implementation instead of replaying a plan, so that each is reported."""
+    return _EXPLAINING.get() is not None
+
+
 def _record(resolution: Resolution) -> None:
     if resolution.skipped:
         logger.debug("%s", resolution)

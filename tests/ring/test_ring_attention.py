@@ -69,7 +69,7 @@ def _restore(x, n, layout):
     return x if layout == "contiguous" else jattn.from_zigzag(x, n)
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])  # 4 devices: the block-mask and gradient tests below
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("mask", list(MASKS))
 def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, mask):

@@ -374,8 +374,9 @@ def _canonical_options(q, config, scale, precision_name) -> tuple[float, str | N
 def _plan_key(q, k, v, state: guards.State, known_captures, block_mask, *options) -> tuple | None:
     """The key of an eager call's plan: what the mods read, shapes, options and the
     BlockMask's static fields. None where no plan applies: arrays traced by an outer
-    transformation, captures the caller names, or mods reading what guards cannot record."""
-    if (state.record is None or known_captures != ((), ())
+    transformation, captures the caller names, mods reading what guards cannot record, or
+    `jattn.explain` asking which implementation the call resolves to."""
+    if (state.record is None or known_captures != ((), ()) or backends.explaining()
             or any(isinstance(x, jax.core.Tracer) for x in (q, k, v))):
         return None
     return (state.record, q.shape, k.shape, v.shape, q.dtype, *options,

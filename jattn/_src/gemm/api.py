@@ -309,8 +309,8 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     # An epilogue that reads what an earlier call's read reuses that call's options (no trace).
     state = guards.read_state(epilogue)
     key = None
-    if state.record is not None and not any(isinstance(x, jax.core.Tracer) for x in
-                                            state.arrays):
+    if state.record is not None and not backends.explaining() and not any(
+            isinstance(x, jax.core.Tracer) for x in state.arrays):
         key = (op, m, n, k, jnp.dtype(dtype), out_dtype, config, implementation, split_k,
                precision, state.record, os.environ.get(IMPLEMENTATION_ENV),
                hardware.default_platform())
