@@ -79,16 +79,16 @@ def _check_heads_and_dtypes(q, Hkv: int, E: int, Ev: int, kv_dtype) -> None:
 
 
 def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
-    """(kv_len as int32 [B] (S everywhere for None), checked): values the host holds (an int,
-    numpy, a JAX array on the CPU) are checked here and bad ones raise: a length outside
-    [0, S], or, with a cache, a page below the length that is unassigned or outside the pool.
-    Others (traced, or on an accelerator, which the host would wait for) are checked by the
-    program, which makes the rows of bad sequences NaN (checked False)."""
+    """(kv_len as int32 [B] (S everywhere for None), its values on the host or None): values
+    the host holds (an int, numpy, a JAX array on the CPU) are checked here and bad ones raise:
+    a length outside [0, S], or, with a cache, a page below the length that is unassigned or
+    outside the pool. Others (traced, or on an accelerator, which the host would wait for) are
+    checked by the program, which makes the rows of bad sequences NaN (host values None)."""
     if kv_len is None:
         # numpy: under jit a constant, not a broadcast XLA runs as a kernel of its own per call
         kv_len = np.full((B,), S, np.int32)
         if cache is None:
-            return kv_len, True
+            return kv_len, kv_len
     elif not isinstance(kv_len, (int, np.integer)) and (
             not hasattr(kv_len, "dtype") or not jnp.issubdtype(kv_len.dtype, jnp.integer)
             or jnp.ndim(kv_len) > 1 or (jnp.ndim(kv_len) == 1 and jnp.shape(kv_len)[0] not in (
@@ -109,18 +109,18 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
                              "(the cache length) or reaches a page the page table leaves "
                              "unassigned or points outside the pool.")
         if isinstance(kv_len, jax.Array) and kv_len.dtype == jnp.int32 and kv_len.shape == (B,):
-            return kv_len, True  # already an array as the kernels read it
-        return np.ascontiguousarray(lengths), True
+            return kv_len, lengths  # already an array as the kernels read it
+        lengths = np.ascontiguousarray(lengths)
+        return lengths, lengths
     if not (isinstance(kv_len, jax.Array) and kv_len.dtype == jnp.int32
             and kv_len.shape == (B,)):
         kv_len = jnp.broadcast_to(jnp.asarray(kv_len).astype(jnp.int32), (B,))
-    return kv_len, False
+    return kv_len, None
 
 
-def _query_positions(kv_len, Lq: int, checked: bool) -> tuple[int, int] | None:
+def _query_positions(lengths: np.ndarray | None, Lq: int) -> tuple[int, int] | None:
     """The first and last query positions (kv_len - Lq + i) a call certainly has, for the
     read checks; None where the lengths are not on the host (or a position is negative)."""
-    lengths = _on_host(kv_len) if checked else None
     if lengths is None or lengths.size == 0 or int(lengths.min()) < Lq:
         return None
     return int(lengths.min()) - Lq, int(lengths.max()) - 1
@@ -286,9 +286,10 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     scale = canonical_scale(_OP, scale, E)
     precision = canonical_precision(_OP, precision)
     static_length = kv_len is None
-    kv_len, checked = _lengths(kv_len, B, dims.S, cache)
+    kv_len, host_lengths = _lengths(kv_len, B, dims.S, cache)
+    checked = host_lengths is not None
     state = guards.read_state(score_mod, None if block_mask is None else block_mask.mask_mod)
-    _check_reads(score_mod, block_mask, state, q.shape, dims.S, kv_len, checked)
+    _check_reads(score_mod, block_mask, state, q.shape, dims.S, host_lengths)
 
     if 0 in (B, Lq, dims.S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, dims.Ev), q.dtype)
@@ -308,15 +309,15 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     return (out, lse) if return_lse else out
 
 
-def _check_reads(score_mod, block_mask, state: guards.State, q_shape, S: int, kv_len,
-                 checked: bool) -> None:
+def _check_reads(score_mod, block_mask, state: guards.State, q_shape, S: int,
+                 host_lengths: np.ndarray | None) -> None:
     """index_bounds' check of the mods' reads at the call's positions (the query positions
     where the host holds kv_len), skipped for mods already checked at these sizes."""
     B, Hq, Lq, _ = q_shape
     mask_mod = None if block_mask is None else block_mask.mask_mod
     index_bounds.check_mods(
         _OP, [("score_mod", score_mod, state.record), ("mask_mod", mask_mod, state.record)],
-        dict(b=B, h=Hq, q_idx=_query_positions(kv_len, Lq, checked), kv_idx=S))
+        dict(b=B, h=Hq, q_idx=_query_positions(host_lengths, Lq), kv_idx=S))
 
 
 def _kernel_decode(q, k, v, cache, score_mod, block_mask, dims: _Dims, kv_len, check, scale,
