@@ -193,7 +193,9 @@ def _flex_call(fn, kv_only, mods, block_size, seq_lengths, scale, enable_gqa, im
     score, mask = translated_mods(mods)
     n_score = 0 if score is None else score.n_captures
 
-    def call(q, k, v, *rest, mask_arrays, capture_arrays, **kwargs):
+    def call(q, k, v, *rest, mask_arrays, capture_arrays, differentiated=None, **kwargs):
+        if differentiated is not None:  # (the backward's: for every capture) score_mod's
+            kwargs["differentiated"] = differentiated[:n_score]
         score_mod = None if score is None else score.bind(capture_arrays[:n_score])
         mask_mod = None if mask is None else mask.bind(capture_arrays[n_score:])
         block_mask = jattn_block_mask(mask_arrays, block_size, seq_lengths, mask_mod,
@@ -238,15 +240,19 @@ def _flex_program(return_lse: bool, **static) -> Callable:
     return jax.jit(forward)
 
 
-def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, **static):
+def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, differentiated,
+                   **static):
     """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse;
-    a cotangent that is None (an output autograd saw no gradient for) counts as zeros."""
+    a cotangent that is None (an output autograd saw no gradient for) counts as zeros.
+    differentiated: for each capture, whether its gradient is wanted (None: all); the others'
+    are zeros, and cost nothing."""
     if d_out is None:
         d_out = jnp.zeros_like(out)
     if d_lse is None:
         d_lse = jnp.zeros(lse.shape, jnp.float32)
     dq, dk, dv, d_score_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
-        q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures)
+        q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
+        differentiated=differentiated)
     # score_mod's captures first, in order; the mask_mod's have no gradient
     d_captures = [*d_score_captures, *[None] * (len(captures) - len(d_score_captures))]
     learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
@@ -351,31 +357,36 @@ def _flex_backward_op(d_out: Optional[Tensor], d_lse: Optional[Tensor], q: Tenso
                       block_size: list[int], seq_lengths: list[int],
                       scale: Optional[float], enable_gqa: bool,
                       implementation: Optional[str],
-                      config: Optional[str]) -> list[Tensor]:
-    """[dq, dk, dv, then a gradient for each floating-point captured tensor]."""
+                      config: Optional[str],
+                      differentiated: Optional[list[bool]] = None) -> list[Tensor]:
+    """[dq, dk, dv, then a gradient for each floating-point captured tensor: zeros for those
+    `differentiated` (one bool per capture; default all) leaves out]."""
     with x64_scope(q):
         return _flex_gradients(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, mods,
                                block_size, seq_lengths, scale, enable_gqa, implementation,
-                               config)
+                               config, differentiated)
 
 
 def _flex_gradients(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, mods, block_size,
-                    seq_lengths, scale, enable_gqa, implementation, config) -> list[Tensor]:
+                    seq_lengths, scale, enable_gqa, implementation, config,
+                    differentiated) -> list[Tensor]:
     device, leading, lists, capture_arrays = ready_op_views(
         "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, q, k, v, out, lse), mask_tensors,
         captures)
     static = _flex_static(device, flex_facts(leading[2], leading[4], mods, capture_arrays),
                           mods, block_size, seq_lengths, scale, enable_gqa, implementation,
                           config)
-    grads = run(_backward_program(**static), device, *leading, lists, capture_arrays)
+    program = _backward_program(None if differentiated is None else tuple(differentiated),
+                                **static)
+    grads = run(program, device, *leading, lists, capture_arrays)
     return [to_torch(g, device) for g in grads]
 
 
 @functools.lru_cache(maxsize=256)
-def _backward_program(**static) -> Callable:
+def _backward_program(differentiated: tuple[bool, ...] | None, **static) -> Callable:
     """The jitted _flex_backward with its static options bound (dispatching them as static
     arguments costs more per call)."""
-    return jax.jit(functools.partial(_flex_backward, **static))
+    return jax.jit(functools.partial(_flex_backward, differentiated=differentiated, **static))
 
 
 flex_attention = torch.library.custom_op("jattn::flex_attention", mutates_args=())(
@@ -400,6 +411,7 @@ def _flex_setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, *mask_tensors, *captures)
     ctx.counts = len(mask_tensors), len(captures)
     ctx.static = static
+    ctx.differentiated = [c.requires_grad for c in captures]
 
 
 def _flex_autograd(ctx, d_out, d_lse):
@@ -409,7 +421,8 @@ def _flex_autograd(ctx, d_out, d_lse):
     n_masks, n_captures = ctx.counts
     mask_tensors, captures = rest[:n_masks], rest[n_masks:n_masks + n_captures]
     dq, dk, dv, *d_floats = flex_attention_backward(d_out, d_lse, q, k, v, out, lse,
-                                                    mask_tensors, captures, *ctx.static)
+                                                    mask_tensors, captures, *ctx.static,
+                                                    ctx.differentiated)
     d_floats = iter(d_floats)
     d_captures = [next(d_floats) if c.is_floating_point() else None for c in captures]
     return (dq, dk, dv, [None] * n_masks, d_captures, *[None] * len(ctx.static))
@@ -423,7 +436,8 @@ class _EagerFlex(torch.autograd.Function):
     them, the mask lists (integers, never differentiated) in a list it does not look into:
     each tensor argument adds to the Function's per-call cost. A forward run by JAX keeps out
     and LSE as JAX arrays for the backward (no crossing back); the LSE handed to the caller is
-    a copy, theirs to edit in place. A forward launched directly makes both tensors."""
+    a copy, theirs to edit in place. A forward launched directly makes both tensors; a
+    backward launched directly (`FlexBackward.direct`) reads tensors either way."""
 
     @staticmethod
     def forward(ctx, plan, masks, return_lse, q, k, v, *captures):
@@ -432,16 +446,18 @@ class _EagerFlex(torch.autograd.Function):
             (q, k, v, *kv_lists, *captures))
         if direct is not None:
             out_tensor, lse_tensor = direct
-            ctx.arrays = q, k, v, out_tensor, lse_tensor
-            lse_tensor = lse_tensor.clone() if return_lse else None
+            ctx.arrays = ctx.tensors = q, k, v, out_tensor, lse_tensor
         else:
             (out, lse), device, qkv = _run_plan(plan, q, k, v, kv_lists, captures,
                                                 return_lse=True)
             out_tensor = to_torch(out, device)
-            lse_tensor = to_torch(lse, device).clone() if return_lse else None
-            # the backward reads them without crossing again (q, k, v: no second copy of a
-            # strided input)
-            ctx.arrays = *qkv, out, lse
+            lse_tensor = (to_torch(lse, device)
+                          if return_lse or bridge.backward_launches_directly(
+                              plan.options["implementation"]) else None)
+            # the JAX backward reads them without crossing again (q, k, v: no second copy of
+            # a strided input); a backward launched directly reads the tensors
+            ctx.arrays, ctx.tensors = (*qkv, out, lse), (q, k, v, out_tensor, lse_tensor)
+        lse_tensor = lse_tensor.clone() if return_lse else None
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
         ctx.masks, ctx.plan = masks, plan
         return (out_tensor, lse_tensor) if return_lse else out_tensor
@@ -450,12 +466,20 @@ class _EagerFlex(torch.autograd.Function):
     def backward(ctx, d_out, d_lse=None):
         _, _, _, _, *captures = ctx.saved_tensors  # (checks that none changed in place)
         plan = ctx.plan
-        with x64_scope(d_out):  # the plan's backward: resolved once, with the forward
-            device, leading, lists, capture_arrays = ready_op_views(
-                "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, *ctx.arrays), ctx.masks,
-                captures)
-            grads = iter([to_torch(g, device) for g in run(
-                plan.backward, device, *leading, lists, capture_arrays)])
+        backward = plan.backward(tuple(ctx.needs_input_grad[6:]))
+        grads = None
+        if backward.direct is not None:
+            grads = backward.direct[d_lse is not None](
+                (d_out, *(() if d_lse is None else (d_lse,)), *ctx.tensors, *ctx.masks,
+                 *captures))
+        if grads is None:
+            with x64_scope(d_out):  # the plan's backward: resolved once, with the forward
+                device, leading, lists, capture_arrays = ready_op_views(
+                    "flex_attention", _BACKWARD_TENSORS, (d_out, d_lse, *ctx.arrays),
+                    ctx.masks, captures)
+                grads = [to_torch(g, device) for g in run(
+                    backward.program, device, *leading, lists, capture_arrays)]
+        grads = iter(grads)
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
         return None, None, None, dq, dk, dv, *d_captures
@@ -483,18 +507,51 @@ class FlexPlan:
     static: the op's trailing arguments (mods key, block size, (L, S), scale, enable_gqa,
     implementation as given, config). names: the argument names of (q, k, v, kv-major mask lists,
     captured tensors), for errors. forward, forward_lse: the jitted programs (q, k, v, mask
-    arrays, capture arrays) -> out, or (out, lse). backward: the jitted `_flex_backward` of the
-    same options. direct: for the Pallas kernels on CUDA,
+    arrays, capture arrays) -> out, or (out, lse). direct: for the Pallas kernels on CUDA,
     the two as `DirectProgram`s on (q, k, v, kv-major lists, captures), launched without JAX
-    where they are one kernel; else None.
+    where they are one kernel; else None. options: `_flex_static`'s, for the backwards.
     """
 
     static: tuple
     names: tuple[str, ...]
     forward: Callable
     forward_lse: Callable
-    backward: Callable
     direct: tuple[DirectProgram, DirectProgram] | None
+    options: dict
+    _backwards: dict = dataclasses.field(default_factory=dict)
+
+    def backward(self, differentiated: tuple[bool, ...]) -> FlexBackward:
+        """The backward that differentiates the captures where `differentiated` says so."""
+        found = self._backwards.get(differentiated)
+        if found is None:
+            found = self._backwards[differentiated] = FlexBackward.make(
+                _backward_program(differentiated, **self.options),
+                self.options["implementation"], len(differentiated))
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexBackward:
+    """program: the jitted `_flex_backward` (d_out, d_lse, q, k, v, out, lse, mask arrays,
+    capture arrays) -> gradients. direct: where the backward is pallas_triton's kernels, it as
+    `DirectProgram`s on the flat tensors (d_out, q, k, v, out, lse, all mask lists, captures)
+    and on the same with d_lse after d_out; else None."""
+
+    program: Callable
+    direct: tuple[DirectProgram, DirectProgram] | None
+
+    @classmethod
+    def make(cls, program: Callable, implementation: str, n_captures: int) -> FlexBackward:
+        if not bridge.backward_launches_directly(implementation):
+            return cls(program, None)
+
+        def pack(tensors, with_d_lse):  # flat, with or without d_lse -> arguments
+            d_out, d_lse = tensors[0], tensors[1] if with_d_lse else None
+            rest = tensors[1 + with_d_lse:]  # q, k, v, out, lse, mask lists, captures
+            split = len(rest) - n_captures
+            return (d_out, d_lse, *rest[:5], rest[5:split], rest[split:])
+        return cls(program, tuple(DirectProgram(program, functools.partial(pack, with_d_lse=w))
+                                  for w in (False, True)))
 
 
 # (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
@@ -524,7 +581,7 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
             return (*tensors[:3], tensors[3:n], tensors[n:])
         direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)
     plan = FlexPlan(static, tensor_names(_FORWARD_TENSORS, n_lists, n_captures, kv_only=True),
-                    forward, forward_lse, _backward_program(**options), direct)
+                    forward, forward_lse, direct, options)
     with _PLANS_LOCK:
         FLEX_PLANS[key] = plan
         while len(FLEX_PLANS) > _MAX_FLEX_PLANS:

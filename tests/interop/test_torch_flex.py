@@ -307,6 +307,39 @@ def test_captured_table_gets_the_gradient_jattn_gives():
                                    err_msg=name)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_only_captures_that_require_grad_are_differentiated(monkeypatch, compiled):
+    """A score_mod reading a learnable table and fixed alibi slopes, eagerly and compiled: the
+    table gets its gradient, the slopes none, and the backward's pass over captured arrays
+    differentiates the table alone."""
+    from jattn._src.attention import xla
+    seen = []
+    gradients = xla.gradients
+    monkeypatch.setattr(xla, "gradients",
+                        lambda *args, **kwargs: seen.append(args[11]) or gradients(*args,
+                                                                                   **kwargs))
+    q, k, v = _qkv()
+    table = torch.randn(HQ, 2 * RADIUS + 1, requires_grad=True)
+    slopes = SLOPES.clone()
+    relative = torch_score_mod("relative", None, table, RADIUS)
+    alibi = torch_score_mod("alibi", slopes, None, RADIUS)
+    # a block size of its own: programs not made by other tests, so the trace is seen here
+    block_mask = jt.create_block_mask(torch_mask("causal", SEGMENTS), None, None, L, L,
+                                      BLOCK_SIZE=32 if compiled else 16, device="cpu")
+
+    def both(s, b, h, qi, ki):
+        return alibi(relative(s, b, h, qi, ki), b, h, qi, ki)
+
+    def attend(q, k, v):
+        return jt.flex_attention(q, k, v, both, block_mask, enable_gqa=True)
+
+    out = (torch.compile(attend, fullgraph=True) if compiled else attend)(q, k, v)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+    assert table.grad is not None and torch.isfinite(table.grad).all()
+    assert table.grad.abs().sum() > 0 and slopes.grad is None and q.grad is not None
+    assert seen and all(tuple(map(bool, pattern)) == (True, False) for pattern in seen)
+
+
 def test_untranslatable_op_names_the_op_and_the_mod():
     q, k, v = (x.detach() for x in _qkv())
 
@@ -328,20 +361,19 @@ def test_a_lambda_recreated_per_call_is_translated_once():
     assert all(tensors[0] is t for (_, tensors), t in zip(captured, tables))
 
 
-def _through_jax_only(*args, **kwargs):
-    raise AssertionError("this call was expected to launch its kernel without JAX")
-
-
 def _run_with_and_without_direct_launch(monkeypatch, call):
-    """call() with the direct launch (JAX's path raising if reached), then with the direct
-    launch turned off."""
+    """(call()'s results with the direct launch, the programs it still ran through JAX), then
+    call()'s results with the direct launch turned off."""
     from interop._direct import DirectProgram
+    through_jax = []
+    run = _ops.run
     with monkeypatch.context() as patched:
-        patched.setattr(_ops, "_run_plan", _through_jax_only)
+        patched.setattr(_ops, "run", lambda program, *a: through_jax.append(program)
+                        or run(program, *a))
         direct = call()
     with monkeypatch.context() as patched:
         patched.setattr(DirectProgram, "__call__", lambda self, tensors: None)
-        return direct, call()
+        return direct, through_jax, call()
 
 
 @pytest.mark.gpu
@@ -349,7 +381,8 @@ def _run_with_and_without_direct_launch(monkeypatch, call):
                                       ("sliding", "alibi")])
 def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
     """On CUDA a forward that is one kernel compiled by `triton` (here E=32) is launched
-    without JAX, with or without autograd; out, LSE and the gradients for q, k, v (random
+    without JAX, with or without autograd, and so is a backward that is kernels alone (no
+    captured tensor that requires grad); out, LSE and the gradients for q, k, v (random
     cotangents) equal the JAX path's bit for bit, a captured bias table's gradient to float32
     rounding."""
     q, k, v = _qkv(torch.bfloat16, "cuda")
@@ -369,33 +402,44 @@ def test_direct_launch_gives_the_bits_of_the_jax_path(monkeypatch, mask, mod):
         inputs = [q, k, v, table] if mod == "relative" else [q, k, v]  # what the op reads
         grads = torch.autograd.grad((out, lse), inputs,
                                     (cotangents[0].to(out.dtype), cotangents[1]))
-        return [*inference, out.detach(), lse.detach(), *grads]
+        # a strided cotangent (as after a transpose) and no LSE cotangent
+        out = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True)
+        strided = cotangents[0].to(out.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        grads_strided = torch.autograd.grad(out, inputs[:3], strided)
+        return [*inference, out.detach(), lse.detach(), *grads, *grads_strided]
 
-    direct, through_jax = _run_with_and_without_direct_launch(monkeypatch, call)
-    assert len(direct) == len(through_jax)
-    for got, expected in zip(direct[:7], through_jax[:7]):
-        assert torch.equal(got, expected)
-    if mod == "relative":  # summed by XLA's scatter-add in no fixed order: two runs of the
-        # same JAX program differ by up to ~4e-5 here (H100), so not bitwise
-        torch.testing.assert_close(direct[7], through_jax[7], rtol=1e-4, atol=1e-4)
+    direct, through_jax, expected = _run_with_and_without_direct_launch(monkeypatch, call)
+    forwards = {f for plan in _ops.FLEX_PLANS.values() for f in (plan.forward, plan.forward_lse)}
+    assert not forwards.intersection(through_jax)
+    if mod == "relative":  # the bias table's gradient is XLA's
+        assert through_jax
+    else:  # alibi's slopes need no gradient, and get none
+        assert not through_jax
+    assert len(direct) == len(expected)
+    for index, (got, want) in enumerate(zip(direct, expected)):
+        if mod == "relative" and index == 7:  # summed by XLA's scatter-add in no fixed order:
+            # two runs of the same JAX program differ by up to ~4e-5 here (H100), not bitwise
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(got, want), index
 
 
 @pytest.mark.gpu
-def test_tensors_the_kernel_cannot_take_in_place_go_through_jax(monkeypatch):
-    """A non-contiguous q and a q at an odd address are not launched directly; JAX's path
-    runs on a copy of each (XLA's GPU runtime rejects unaligned buffers) and gives the same
-    bits."""
+def test_tensors_the_kernel_cannot_take_in_place_are_copied_for_it(monkeypatch):
+    """A non-contiguous q and a q at an odd address are copied (as JAX's path copies them:
+    XLA's GPU runtime rejects unaligned buffers) and launched directly, with the same bits."""
     q, k, v = (x.detach() for x in _qkv(torch.bfloat16, "cuda"))
     strided = q.transpose(1, 2).contiguous().transpose(1, 2)
     shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
     shifted.copy_(q)
     expected = jt.flex_attention(q, k, v, enable_gqa=True)
-    calls = []
-    run_plan = _ops._run_plan
-    monkeypatch.setattr(_ops, "_run_plan", lambda *a, **kw: calls.append(1) or run_plan(*a, **kw))
+    monkeypatch.setattr(_ops, "_run_plan", _through_jax_only)
     for odd in (strided, shifted):
         assert torch.equal(jt.flex_attention(odd, k, v, enable_gqa=True), expected)
-    assert len(calls) == 2
+
+
+def _through_jax_only(*args, **kwargs):
+    raise AssertionError("this call was expected to launch its kernel without JAX")
 
 
 @pytest.mark.gpu

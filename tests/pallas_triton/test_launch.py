@@ -1,4 +1,4 @@
-"""Finding a program's one Pallas kernel (CPU: tracing only) and launching it (GPU)."""
+"""Finding a program's Pallas kernels (CPU: tracing only) and launching them (GPU)."""
 
 import ctypes
 
@@ -56,13 +56,6 @@ def test_wrappers_inline_to_the_one_kernel_on_the_arguments(pallas_traceable):
     assert results == [call.outvars[0]]  # out; the kernel's LSE output is not returned
 
 
-def test_a_program_with_more_than_the_kernel_is_not_launched_directly(pallas_traceable):
-    program, args, _ = _flex_program(extra_op=True)
-    equations, _ = launch._inlined(jax.make_jaxpr(program)(*args))
-    assert [e.primitive.name for e in equations] == ["pallas_call", "mul"]
-    assert launch.single_kernel_launch(program, *args) is None
-
-
 class _FakeKernel:
     """What KernelLaunch reads of a Triton CompiledKernel; `run` records its launches."""
 
@@ -74,9 +67,64 @@ class _FakeKernel:
         self.launches.append(args)
 
 
+@pytest.fixture
+def kernels_found(monkeypatch):
+    """Every pallas_call counts as compiled by `triton` (found with a fake kernel), as on a
+    GPU machine; records the calls' kernel names."""
+    names = []
+
+    def found(call):
+        names.append(call.params["name"])
+        return launch.KernelLaunch(tuple(launch._shape_dtype(v) for v in call.outvars),
+                                   _FakeKernel(), (1, 1, 1))
+
+    monkeypatch.setattr(launch, "_kernel_launch", found)
+    return names
+
+
+def test_a_program_with_more_than_its_kernels_needs_the_caller_to_evaluate_the_rest(
+        pallas_traceable, kernels_found):
+    program, args, _ = _flex_program(extra_op=True)
+    equations, _ = launch._inlined(jax.make_jaxpr(program)(*args))
+    assert [e.primitive.name for e in equations] == ["pallas_call", "mul"]
+    assert launch.kernel_program(program, *args) is None  # by default nothing is evaluable
+    found = launch.kernel_program(program, *args, evaluable=lambda name, *_: name == "mul")
+    kernel, mul = found.steps
+    assert kernel.launch is not None and kernel.inputs == (0, 1, 2, 3, 4)
+    assert kernel.outputs == (5, 6)  # out and the LSE
+    assert mul.launch is None and mul.name == "mul"
+    assert mul.inputs == (5, launch.Constant(2)) and mul.avals == (((1, 2, L, D), jnp.bfloat16),)
+    assert found.results == mul.outputs == (7,) and found.slots == 8
+
+
+def test_the_flex_backward_is_kernels_alone(pallas_traceable, kernels_found):
+    """The backward of a causal flex_attention (its BlockMask an argument, as in interop's
+    programs) is its kernels on the program's values; without an LSE cotangent its zeros are
+    the one equation left to the caller."""
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    mask = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mask)
+    qkv = [jax.ShapeDtypeStruct((1, 2, L, D), jnp.bfloat16)] * 4
+    lse = jax.ShapeDtypeStruct((1, 2, L), jnp.float32)
+
+    def backward(mask, q, k, v, d_out, *d_lse):
+        _, vjp = jax.vjp(lambda q, k, v: jattn.flex_attention(
+            q, k, v, block_mask=mask, implementation="pallas_triton", return_lse=bool(d_lse)),
+            q, k, v)
+        return vjp((d_out, *d_lse) if d_lse else d_out)
+
+    found = launch.kernel_program(backward, mask, *qkv, lse)
+    assert all(step.launch is not None for step in found.steps)
+    assert kernels_found == ["jattn_flex_fwd", "jattn_flex_bwd_delta", "jattn_flex_bwd_dq",
+                             "jattn_flex_bwd_dkdv"]
+    assert launch.kernel_program(backward, mask, *qkv) is None
+    found = launch.kernel_program(backward, mask, *qkv,
+                                  evaluable=lambda name, *_: name == "broadcast_in_dim")
+    assert [step.name for step in found.steps if step.launch is None] == ["broadcast_in_dim"]
+
+
 def test_a_kernel_launches_only_on_the_gpu_it_was_loaded_on():
     kernel = _FakeKernel()
-    first, second = (launch.KernelLaunch((0,), (((4,), np.float32),), (0,), kernel, (2, 1, 1))
+    first, second = (launch.KernelLaunch((((4,), np.float32),), kernel, (2, 1, 1))
                      for _ in range(2))
     assert first([16], [32], 7, device=1)
     assert kernel.launches == [(2, 1, 1, 7, "function", "metadata", None, None, None, 16, 32)]
@@ -94,19 +142,20 @@ def test_direct_launch_writes_what_jax_computes():
     if not triton_compiler_available():
         pytest.skip("needs the `triton` package")
     program, args, lists = _flex_program()
-    found = launch.single_kernel_launch(program, *args)
-    assert found is not None and found.operands == (0, 1, 2, 3, 4)
+    found = launch.kernel_program(program, *args)
+    [step] = found.steps
+    assert step.inputs == (0, 1, 2, 3, 4) and found.results == (step.outputs[0],)
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, 2, L, D), jnp.bfloat16) for key in keys)
     expected = program(q, k, v, *lists)
     operands = [q, k, v, *lists]
-    outputs = [jnp.full(shape, np.nan, dtype) for shape, dtype in found.outputs]
+    outputs = [jnp.full(shape, np.nan, dtype) for shape, dtype in step.launch.outputs]
     jax.block_until_ready((expected, operands, outputs))
-    assert found([x.unsafe_buffer_pointer() for x in operands],
-                 [x.unsafe_buffer_pointer() for x in outputs], 0,
-                 jax.devices()[0].local_hardware_id)
+    assert step.launch([x.unsafe_buffer_pointer() for x in operands],
+                       [x.unsafe_buffer_pointer() for x in outputs], 0,
+                       jax.devices()[0].local_hardware_id)
     assert ctypes.CDLL("libcuda.so.1").cuStreamSynchronize(None) == 0  # JAX does not know
-    np.testing.assert_array_equal(np.asarray(outputs[found.results[0]], np.float32),
+    np.testing.assert_array_equal(np.asarray(outputs[0], np.float32),
                                   np.asarray(expected, np.float32))
 
 
@@ -118,5 +167,5 @@ def test_a_kernel_compiled_by_xla_is_not_launched_directly():
     def with_gelu(a, b):
         return jattn.matmul(a, b, epilogue=lambda x, rows, cols: jax.nn.gelu(x))
 
-    assert launch.single_kernel_launch(jax.jit(jattn.matmul), a, a) is not None
-    assert launch.single_kernel_launch(jax.jit(with_gelu), a, a) is None
+    assert launch.kernel_program(jax.jit(jattn.matmul), a, a) is not None
+    assert launch.kernel_program(jax.jit(with_gelu), a, a) is None

@@ -191,14 +191,17 @@ class _Program:
 
     @classmethod
     def make(cls, problem: Problem) -> _Program:
-        def backward(q, k, v, lists, score_caps, mask_caps, out, lse, d_out, d_lse):
-            differentiated = tuple(jnp.issubdtype(jnp.result_type(c), jnp.floating)
-                                   for c in score_caps)
+        def backward(q, k, v, lists, score_caps, mask_caps, out, lse, d_out, d_lse,
+                     differentiated):
+            wanted = differentiated or (True,) * len(score_caps)
+            differentiated = tuple(jnp.issubdtype(jnp.result_type(c), jnp.floating) and w
+                                   for c, w in zip(score_caps, wanted))
             res = Residuals(q, k, v, lists, tuple(score_caps), tuple(mask_caps), out, lse,
                             differentiated)
             return _flex_bwd(problem, res, (d_out, d_lse))
 
-        return cls(problem, jax.jit(functools.partial(_flex, problem)), jax.jit(backward))
+        return cls(problem, jax.jit(functools.partial(_flex, problem)),
+                   jax.jit(backward, static_argnums=10))
 
 
 _PROGRAMS: ProgramCache[_Program] = ProgramCache("flex_attention.programs")
@@ -291,21 +294,26 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
                             score_captures=(), mask_captures=(), scale=None, enable_gqa=False,
-                            config=None, implementation=None, precision=None):
+                            config=None, implementation=None, precision=None,
+                            differentiated=None):
     """Gradients of `flex_attention_with_captures(q, k, v, score_mod, block_mask,
     score_captures=..., mask_captures=..., return_lse=True)` from its saved outputs (out, lse)
     and their cotangents, without running the forward again: the backward `jax.vjp` runs, of
     the forward's cached program. (The torch ops' entry point: their autograd keeps out and lse.)
 
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
-    (zeros if score_mod does not read it), or None if it is not floating point.
+    (zeros if score_mod does not read it), or None if it is not floating point or
+    `differentiated` (a bool per score capture; default: every floating one) leaves it out:
+    a captured array's gradient costs a pass of its own.
     """
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
         (score_captures, mask_captures))
+    if differentiated is not None:
+        differentiated = tuple(map(bool, differentiated))
     dq, dk, dv, _, d_score_caps, _ = program.backward(q, k, v, lists, score_caps, mask_caps,
-                                                      out, lse, d_out, d_lse)
+                                                      out, lse, d_out, d_lse, differentiated)
     return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 

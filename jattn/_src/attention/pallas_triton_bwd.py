@@ -1,13 +1,16 @@
 """Flex attention backward kernels (Pallas, lowered to Triton).
 
-Two kernels, no atomics, so results are deterministic:
+Three kernels, no atomics, so results are deterministic:
+- delta: delta = rowsum(O ∘ dO) - d_lse (it folds in the LSE cotangent) and the LSE in base 2
+  (0 for rows that attend nowhere), per query row.
 - dQ: grid (query tiles, B·Hq); walks the kv-major block lists like the forward, recomputing
   P = exp2(t - lse₂) and dS = P ∘ (dP - delta), then dQ += dS'·K with dS' the gradient through
   score_mod (`jax.vjp` of the mod, evaluated in the kernel).
 - dK/dV: grid (kv tiles, B·Hkv); walks the q-major lists for each of the G query heads of its
   kv head, accumulating dV += Pᵀ·dO and dK += dS'ᵀ·Q. With a broadcast k/v batch (Bk = 1) it
   writes one fp32 slice per query batch, summed afterwards by XLA.
-delta = rowsum(O ∘ dO) - d_lse comes from XLA (it folds in the LSE cotangent).
+All of it is kernels, so that the torch ops can launch the backward without JAX
+(interop/_direct.py).
 """
 
 from __future__ import annotations
@@ -51,6 +54,42 @@ def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, l
     if keep is not None:
         ds = jnp.where(keep, ds, 0.0)
     return prob, ds
+
+
+# ------------------------------------------------------------------------------------------------
+# delta and the base-2 LSE
+# ------------------------------------------------------------------------------------------------
+
+def _delta_kernel(out_ref, do_ref, lse_ref, d_lse_ref, delta_ref, lse2_ref, *, p: Problem,
+                  rows: int):
+    q0 = pl.program_id(0) * rows
+    here = (slice(None),)
+    out = tiles.load_tile(out_ref, here, q0, rows, p.L, p.Ev).astype(jnp.float32)
+    d_out = tiles.load_tile(do_ref, here, q0, rows, p.L, p.Ev).astype(jnp.float32)
+    d_lse = tiles.load_vector(d_lse_ref, here, q0, rows, p.L)
+    lse = tiles.load_vector(lse_ref, here, q0, rows, p.L)
+    tiles.store_vector(delta_ref, here, jnp.sum(out * d_out, axis=1) - d_lse, q0, p.L)
+    tiles.store_vector(lse2_ref, here, jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E), q0, p.L)
+
+
+def _delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
+    rows = 64
+    ev_pad = tiles.padded(p.Ev)
+
+    def row_tile(i, bh):
+        return bh // p.Hq, bh % p.Hq, i
+
+    vector = pl.BlockSpec((None, None, rows), row_tile)
+    return pl.pallas_call(
+        functools.partial(_delta_kernel, p=p, rows=rows),
+        grid=(tiles.cdiv(p.L, rows), p.B * p.Hq),
+        in_specs=[pl.BlockSpec((None, None, rows, ev_pad), lambda i, bh: (*row_tile(i, bh), 0)),
+                  pl.BlockSpec((None, None, rows, ev_pad), lambda i, bh: (*row_tile(i, bh), 0)),
+                  vector, vector],
+        out_specs=[vector, vector],
+        out_shape=[out_struct(lse.shape, jnp.float32, lse)] * 2,
+        compiler_params=params, interpret=p.interpret, name="jattn_flex_bwd_delta",
+    )(out, d_out, lse, d_lse)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,8 +191,8 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     q_span = tiles.cdiv(p.L, p.mask_block[0]) * p.mask_block[0]
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
-    delta = jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32), axis=-1) - d_lse
-    lse2 = jnp.where(jnp.isneginf(lse), 0.0, lse * LOG2_E)
+    delta, lse2 = _delta_and_lse2(p, out, lse, d_out, d_lse,
+                                  plgpu.CompilerParams(num_warps=4, num_stages=1))
     params = plgpu.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
     interpret = p.interpret
     caps = (*score_caps, *mask_caps)
@@ -213,7 +252,7 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
                    out_struct((p.B, p.Hkv, p.S, p.Ev), grad_dtype, q)],
         compiler_params=params, interpret=interpret, name="jattn_flex_bwd_dkdv",
     )(q, k, v, d_out, lse2, delta, *q_lists, *caps)
-    if p.kv_batch == 1:
+    if p.kv_batch < p.B:
         dk = dk.sum(axis=0, keepdims=True).astype(k.dtype)
         dv = dv.sum(axis=0, keepdims=True).astype(v.dtype)
     return dq, dk, dv

@@ -1,19 +1,22 @@
-"""A JAX program that is one Pallas kernel, launched without JAX on buffers and a stream the
+"""A JAX program made of Pallas kernels, launched without JAX on buffers and a stream the
 caller owns.
 
-Where a program's whole computation is a single pallas_call (custom_vjp and jit wrappers
-aside) whose kernel the `triton` package compiles (`compiler="triton"`, see
-`pallas_triton.compile`), the compiled kernel JAX launches through XLA can be launched by
-Triton's own launcher instead: no JAX dispatch, no buffers to import or export, no stream to
-synchronise. interop's eager torch ops use this; it costs a few microseconds of host time
-against JAX's 40-70 per call (benchmarks/HISTORY.md).
+Where a program's computation is pallas_calls (custom_vjp and jit wrappers aside) whose kernels
+the `triton` package compiles (`compiler="triton"`, see `pallas_triton.compile`), and between
+them only equations the caller can evaluate itself (a backward's elementwise prologue, say),
+the compiled kernels JAX launches through XLA can be launched by Triton's own launcher instead:
+no JAX dispatch, no buffers to import or export, no stream to synchronise. interop's eager
+torch ops use this; a kernel costs a few microseconds of host time against JAX's 40-70 per
+call (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,18 +33,14 @@ _LOADED_ON: dict[object, int] = {}
 
 
 class KernelLaunch:
-    """How to run a program as its one kernel.
+    """How to launch one compiled kernel.
 
-    operands: for each kernel input in order, the index of the program argument it is.
     outputs: (shape, dtype) of each kernel output, which the caller allocates.
-    results: for each program result, the index of the kernel output it is.
     alignment: the byte alignment the kernel assumes of every buffer address.
     """
 
-    def __init__(self, operands, outputs, results, kernel, grid):
-        self.operands: tuple[int, ...] = operands
+    def __init__(self, outputs, kernel, grid):
         self.outputs: tuple[tuple[tuple[int, ...], np.dtype], ...] = outputs
-        self.results: tuple[int, ...] = results
         # Pallas declares every pointer argument divisible by some bytes (jax 0.10: 32).
         self.alignment = max(map(int, _DIVISIBILITY.findall(kernel.asm["ttir"])), default=1)
         self._kernel, self._grid, self._run = kernel, grid, None
@@ -50,7 +49,7 @@ class KernelLaunch:
                  device: int) -> bool:
         """Queues the kernel on `stream` (a CUDA stream handle, 0 the legacy default) of GPU
         `device`, which must be the current one, reading the buffers at the addresses
-        `operands` (in `self.operands` order) and writing those at `outputs`. False, and
+        `operands` (the kernel's inputs in order) and writing those at `outputs`. False, and
         nothing queued, where the kernel is loaded on another GPU (Triton loads a compiled
         kernel into one context: the first device it is launched on)."""
         run = self._run
@@ -66,36 +65,100 @@ class KernelLaunch:
         return True
 
 
-def single_kernel_launch(fn: Callable, *args: jax.ShapeDtypeStruct) -> KernelLaunch | None:
-    """The launch of `fn(*args)` as its one kernel, or None where the program is not exactly
-    one pallas_call on its own arguments compiled by the `triton` package (then only JAX can
-    run it). Errors of tracing `fn` propagate. Call on a machine with a CUDA GPU."""
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    """A literal operand of a step: a Python scalar."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Step:
+    """One equation of a KernelProgram: reads `inputs` (slot numbers, or Constants) and writes
+    the slots `outputs`. A kernel has its `launch`; any other equation is the caller's to
+    evaluate: `name` (the primitive's), `params` and the outputs' (shape, dtype)."""
+
+    inputs: tuple[int | Constant, ...]
+    outputs: tuple[int, ...]
+    launch: KernelLaunch | None = None
+    name: str = ""
+    params: dict = dataclasses.field(default_factory=dict)
+    avals: tuple[tuple[tuple[int, ...], np.dtype], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelProgram:
+    """A program as steps run in order: slots 0 .. n-1 hold its n arguments, each step's
+    outputs the next free slots; `results` are the slots (or Constants) it returns."""
+
+    steps: tuple[Step, ...]
+    results: tuple[int | Constant, ...]
+    slots: int
+
+
+# (primitive name, params, the operands' (shape, dtype)) -> whether the caller evaluates it
+Evaluable = Callable[[str, dict, list], bool]
+
+
+def kernel_program(fn: Callable, *args: jax.ShapeDtypeStruct,
+                   evaluable: Evaluable = lambda *_: False) -> KernelProgram | None:
+    """`fn(*args)` as a KernelProgram, or None where it holds anything else than pallas_calls
+    on its own values compiled by the `triton` package and equations `evaluable` accepts
+    (then only JAX can run it); the default accepts none: one kernel on the arguments, or
+    None. Errors of tracing `fn` propagate. Call on a machine with a CUDA GPU."""
     closed = jax.make_jaxpr(fn)(*args)
     equations, results = _inlined(closed)
-    if len(equations) != 1 or equations[0].primitive.name != "pallas_call":
+    slots = {var: i for i, var in enumerate(jaxpr_and_consts(closed)[0].invars)}
+
+    def operand(x):
+        if isinstance(x, jex_core.Literal):
+            return Constant(np.asarray(x.val).item())
+        return slots.get(x)  # None: a constant of the jaxpr
+
+    steps = []
+    for eqn in equations:
+        inputs = tuple(operand(x) for x in eqn.invars)
+        if None in inputs:
+            return None
+        if eqn.primitive.name == "pallas_call":
+            launch = _kernel_launch(eqn)
+            if launch is None or not all(isinstance(x, int) for x in inputs):
+                return None
+            step = Step(inputs, (), launch)
+        elif evaluable(eqn.primitive.name, eqn.params, [_shape_dtype(x) for x in eqn.invars]):
+            step = Step(inputs, (), name=eqn.primitive.name, params=dict(eqn.params),
+                        avals=tuple(_shape_dtype(x) for x in eqn.outvars))
+        else:
+            return None
+        first = len(slots)
+        slots.update((var, first + i) for i, var in enumerate(eqn.outvars))
+        steps.append(dataclasses.replace(step, outputs=tuple(range(first, len(slots)))))
+    results = tuple(operand(x) for x in results)
+    if not all(isinstance(x, int) for x in results):
         return None
-    [call] = equations
-    arguments = {var: i for i, var in enumerate(jaxpr_and_consts(closed)[0].invars)}
-    if (call.params.get("input_output_aliases")
-            or not all(isinstance(v, jex_core.Var) and v in arguments for v in call.invars)
-            or not all(isinstance(v, jex_core.Var) and v in call.outvars for v in results)):
+    return KernelProgram(tuple(steps), results, len(slots))
+
+
+def _shape_dtype(x) -> tuple[tuple[int, ...], np.dtype]:
+    return tuple(x.aval.shape), np.dtype(x.aval.dtype)
+
+
+def _kernel_launch(call) -> KernelLaunch | None:
+    """The launch of one pallas_call equation's kernel, or None where `triton` does not
+    compile it (XLA's Triton does) or it writes into its inputs."""
+    if call.params.get("input_output_aliases"):
         return None
     with recording_kernels() as kernels:
         jax.jit(lambda *xs: call.primitive.bind(*xs, **call.params)).trace(
             *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in call.invars)
         ).lower(lowering_platforms=("cuda",))
     if len(kernels) != 1:
-        return None  # compiled by XLA's Triton: only JAX launches it
+        return None
     [(kernel, grid)] = kernels
-    return KernelLaunch(
-        operands=tuple(arguments[v] for v in call.invars),
-        outputs=tuple((tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in call.outvars),
-        results=tuple(call.outvars.index(v) for v in results), kernel=kernel, grid=grid)
+    return KernelLaunch(tuple(_shape_dtype(v) for v in call.outvars), kernel, grid)
 
 
 _CONSTANT = object()  # stands for a jaxpr constant: no argument of the program
-
-
 def _inlined(closed) -> tuple[list, list]:
     """The live equations of `closed` with wrapper primitives (jit, custom_vjp, ...) replaced
     by their bodies, in terms of its own argument variables (constants become `_CONSTANT`),
