@@ -209,10 +209,17 @@ class BlockMask:
         return tuple(self.kv_indices.shape[-2:])
 
     def lists(self) -> MaskLists:
-        """The block lists as int32 (the one flattening every implementation reads)."""
+        """The block lists as int32 (the one flattening every implementation reads). An eager
+        mask keeps them: every call with it reads them."""
+        known = self.__dict__.get("_lists")
+        if known is not None:
+            return known
         names = MaskLists._fields if self.full_kv_num_blocks is not None else \
             MaskLists._fields[:4]
-        return MaskLists(*(_int32(getattr(self, name)) for name in names))
+        result = MaskLists(*(_int32(getattr(self, name)) for name in names))
+        if not any(isinstance(x, jax.core.Tracer) for x in result):
+            object.__setattr__(self, "_lists", result)
+        return result
 
     def partial_blocks(self) -> jax.Array:
         """[Bm, Hm, nQ, nKV] bool: blocks that apply mask_mod."""
