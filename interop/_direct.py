@@ -16,6 +16,7 @@ the tensors' memory for that stream as for any torch kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 
@@ -25,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ._dlpack import DTYPES
-from jattn._src.bridge import KernelProgram, compat, kernel_program
+from jattn._src.bridge import Constant, ConstantArray, KernelProgram, compat, kernel_program
 
 _TORCH_DTYPES = {np.dtype(jax_dtype): torch_dtype for torch_dtype, jax_dtype in DTYPES.items()}
 _current_device, _current_stream = compat.torch_cuda_device_and_stream()
@@ -47,8 +48,10 @@ class DirectProgram:
     def __call__(self, tensors: Sequence[Tensor]) -> list[Tensor] | None:
         """The program's results as new tensors, queued on torch's current stream, or None
         where this call must go through JAX (then nothing it needs has been queued)."""
+        if not tensors[0].is_cuda:
+            return None
         index = _current_device()
-        key = []
+        key = [index]
         for t in tensors:
             if not (isinstance(t, Tensor) and t.get_device() == index):
                 return None
@@ -71,7 +74,24 @@ class DirectProgram:
             lambda *arrays: program(*pack(arrays)),
             *(jax.ShapeDtypeStruct(tuple(t.shape), d) for t, d in zip(tensors, dtypes)),
             evaluable=_evaluable)
-        return _THROUGH_JAX if found is None else found
+        return _THROUGH_JAX if found is None else _on_device(found, tensors[0].device)
+
+
+def _on_device(program: KernelProgram, device: torch.device) -> KernelProgram | object:
+    """The program with its constant arrays (a dense call's BlockMask lists, say) as tensors
+    on `device`, moved once; _THROUGH_JAX where one has a dtype numpy alone cannot give torch
+    (bfloat16)."""
+    def moved(x):
+        if not isinstance(x, ConstantArray):
+            return x
+        return Constant(torch.from_numpy(np.array(x.value)).to(device))
+
+    try:
+        steps = [dataclasses.replace(step, inputs=tuple(map(moved, step.inputs)))
+                 for step in program.steps]
+    except TypeError:
+        return _THROUGH_JAX
+    return dataclasses.replace(program, steps=tuple(steps))
 
 
 def _run(program: KernelProgram, tensors: Sequence[Tensor], index: int) -> list[Tensor] | None:

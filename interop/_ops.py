@@ -224,7 +224,7 @@ def decode_config(text: str | None) -> tuple[jattn.AttentionConfig | None, str |
         return None, None
     fields = dict(item.split("=") for item in text.split(","))
     precision = fields.pop("precision", None)
-    config = jattn.AttentionConfig(**{k: v if k == "compiler" else int(v)
+    config = jattn.AttentionConfig(**{k: v if k.endswith("compiler") else int(v)
                                       for k, v in fields.items()}) if fields else None
     return config, precision
 

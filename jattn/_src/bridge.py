@@ -13,14 +13,14 @@ from jattn._src.attention import pallas_mosaic_gpu
 from jattn._src.attention.api import flex_attention_backward
 from jattn._src.attention.api import flex_attention_with_captures as flex_attention
 from jattn._src.decoding.paged import check_pool_sizes
-from jattn._src.pallas_triton.launch import Constant, KernelProgram, kernel_program
+from jattn._src.pallas_triton.launch import Constant, ConstantArray, KernelProgram, kernel_program
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.programs import register_cache
 
-__all__ = ["Constant", "KernelProgram", "MaskLists", "backward_launches_directly",
-           "check_pool_sizes", "compat", "flex_attention", "flex_attention_backward",
-           "kernel_program", "launches_directly", "register_cache", "resolve",
-           "unreadable_capture"]
+__all__ = ["Constant", "ConstantArray", "KernelProgram", "MaskLists",
+           "backward_launches_directly", "check_pool_sizes", "compat", "flex_attention",
+           "flex_attention_backward", "kernel_program", "launches_directly", "register_cache",
+           "resolve", "unreadable_capture"]
 
 
 def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> str:
@@ -47,7 +47,8 @@ def backward_launches_directly(implementation: str) -> bool:
     """Whether flex_attention's backward on the implementation is pallas_triton's kernels (the
     Mosaic GPU forward's is), which the torch ops may launch without JAX's dispatch."""
     found = backends.implementations("flex_attention")
-    return found[implementation].module.backward is found["pallas_triton"].module.backward
+    return (not backends.BACKENDS[implementation].interpret
+            and found[implementation].module.backward is found["pallas_triton"].module.backward)
 
 
 def unreadable_capture(bind_score, bind_mask, n_score: int, specs,

@@ -98,6 +98,14 @@ def test_config_names_its_compiler():
     assert heuristic_config(128, (128, 128), masked=False, triton_compiler=True).compiler == (
         "triton")
     assert heuristic_config(128, (128, 128), masked=True, triton_compiler=True).compiler == "xla"
+    # the backward: `triton`'s compile where it can, except with a score_mod
+    assert heuristic_config(128, (128, 128), masked=True, triton_compiler=True).bwd_compiler == (
+        "triton")
+    assert heuristic_config(64, (128, 128), masked=False).bwd_compiler == "xla"
+    assert heuristic_config(64, (128, 128), masked=False, triton_compiler=True,
+                            score_mod=True).bwd_compiler == "xla"
+    with pytest.raises(ValueError, match="AttentionConfig.bwd_compiler='nvcc' must be 'xla'"):
+        jattn.AttentionConfig(bwd_compiler="nvcc")
 
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)

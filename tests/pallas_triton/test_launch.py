@@ -1,6 +1,7 @@
 """Finding a program's Pallas kernels (CPU: tracing only) and launching them (GPU)."""
 
 import ctypes
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,19 @@ def test_the_flex_backward_is_kernels_alone(pallas_traceable, kernels_found):
     found = launch.kernel_program(backward, mask, *qkv,
                                   evaluable=lambda name, *_: name == "broadcast_in_dim")
     assert [step.name for step in found.steps if step.launch is None] == ["broadcast_in_dim"]
+
+
+def test_a_dense_calls_lists_are_constants_of_its_program(pallas_traceable, kernels_found):
+    """Without a BlockMask the forward's lists are made in the program: constants it holds,
+    handed to the caller with their values."""
+    qkv = [jax.ShapeDtypeStruct((1, 2, L, D), jnp.bfloat16)] * 3
+    found = launch.kernel_program(
+        jax.jit(functools.partial(jattn.flex_attention, implementation="pallas_triton")), *qkv)
+    [step] = found.steps
+    assert step.inputs[:3] == (0, 1, 2) and found.results == (step.outputs[0],)
+    constants = step.inputs[3:]
+    assert constants and all(isinstance(x, launch.ConstantArray) for x in constants)
+    assert constants[0].value.dtype == np.int32 and constants[0].value.shape == (1, 1, L // 128)
 
 
 def test_a_kernel_launches_only_on_the_gpu_it_was_loaded_on():

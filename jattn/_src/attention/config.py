@@ -15,10 +15,12 @@ class AttentionConfig:
     block_q, block_k: forward tile (query rows x key columns). bwd_block_q, bwd_block_k: tile of
     both backward kernels (dQ and dK/dV). Each must divide the BlockMask's block size along its
     axis. num_warps / num_stages and bwd_num_warps / bwd_num_stages: Triton launch parameters.
-    compiler: who compiles the forward kernel's Triton IR: "xla" (jax's own path) or "triton"
-    (the `triton` package, where installed; otherwise it falls back to "xla").
+    compiler, bwd_compiler: who compiles the forward's and the backward's kernels' Triton IR:
+    "xla" (jax's own path) or "triton" (the `triton` package, where installed; otherwise it
+    falls back to "xla"). The torch ops launch kernels the `triton` package compiled without
+    JAX's dispatch (docs/torch.md).
 
-    All fields but `compiler` (a str) are Python ints: tiles powers of two >= 16, warps 1, 2, 4,
+    All fields but the compilers (strs) are Python ints: tiles powers of two >= 16, warps 1, 2, 4,
     8 or 16, stages >= 1; invalid values raise ValueError. Frozen and hashable.
 
     Example::
@@ -38,9 +40,11 @@ class AttentionConfig:
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
     compiler: str = "xla"
+    bwd_compiler: str = "xla"
 
     def __post_init__(self):
         check_compiler(self)
+        check_compiler(self, "bwd_compiler")
         check_tiles(self, "block_q", "block_k", "bwd_block_q", "bwd_block_k")
         check_warps(self, "num_warps", "bwd_num_warps")
         check_positive(self, "num_stages", "bwd_num_stages")
@@ -57,16 +61,18 @@ class AttentionConfig:
 
 
 def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool,
-                     triton_compiler: bool = False) -> AttentionConfig:
+                     triton_compiler: bool = False, score_mod: bool = False) -> AttentionConfig:
     """The default config for a head dim and a BlockMask block size; `masked`: the BlockMask
     has a mask_mod (partial blocks), which moves the D <= 64 optimum; `triton_compiler`: the
-    `triton` package can compile the forward kernel."""
+    `triton` package can compile the kernels; `score_mod`: the call has one."""
     # The fastest configs of the H100 tile sweeps (benchmarks/HISTORY.md, "FlexAttention").
     # Compiled by the `triton` package: D128 without a mask_mod 128x64 w4 s4, level with
     # torch's compiled flex_attention; D <= 64 128x64 w4 s5. With a mask_mod at D128, XLA's
     # compile of 128x64 w4 s2 leads every Triton 3.6 config. Without `triton`, XLA's best:
     # 128x64 w4 s2 at D128, at D64 64x128 w4 s3 without a mask_mod, 64x64 w4 s3 with one.
-    # Backward: 64x64 w4 s2, fastest at every shape of the backward sweep.
+    # Backward: 64x64 w4 s2, fastest at every shape of the backward sweep. Compiled by `triton`
+    # without a score_mod (1.01-1.04x XLA's compile, and the torch ops launch it without JAX);
+    # with one XLA's (softcap: `triton`'s 0.78x; benchmarks/HISTORY.md).
     if head_dim > 64 and (masked or not triton_compiler):
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
     elif head_dim > 64:
@@ -88,6 +94,8 @@ def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool
                              f"{MIN_DOT_TILE} for a kernel tile; use a multiple of 16.")
         return tile
 
+    if triton_compiler and not score_mod:
+        config = dataclasses.replace(config, bwd_compiler="triton")
     return dataclasses.replace(config, **{
         name: fit(getattr(config, name), mask_block[axis])
         for name, axis in (("block_q", 0), ("block_k", 1), ("bwd_block_q", 0),

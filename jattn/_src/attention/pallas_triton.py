@@ -24,7 +24,8 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     """p with this backend's config and mods (p.xla already traced)."""
     resolved = config or heuristic_config(
         p.E, p.mask_block, masked=block_mask.mask_mod is not None,
-        triton_compiler=not p.interpret and triton_compiler_available())
+        triton_compiler=not p.interpret and triton_compiler_available(),
+        score_mod=score_mod is not None)
     resolved.check_fits(p.mask_block)
     traced = {
         name: trace_mods(score_mod, mask_mod, score_set, mask_set, *tile_signature(bq, bk, **t))

@@ -20,7 +20,6 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Mods, Problem
@@ -28,6 +27,7 @@ from jattn._src.constants import LOG2_E
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.mesh_axes import aligned, out_struct
 from jattn._src.pallas_triton.captured_loads import call_in_kernel
+from jattn._src.pallas_triton.compile import compiler_params
 
 
 def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
@@ -192,8 +192,8 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
     q_span = tiles.cdiv(p.L, p.mask_block[0]) * p.mask_block[0]
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
     delta, lse2 = _delta_and_lse2(p, out, lse, d_out, d_lse,
-                                  plgpu.CompilerParams(num_warps=4, num_stages=1))
-    params = plgpu.CompilerParams(num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
+                                  compiler_params(4, 1, compiler=cfg.bwd_compiler))
+    params = compiler_params(cfg.bwd_num_warps, cfg.bwd_num_stages, compiler=cfg.bwd_compiler)
     interpret = p.interpret
     caps = (*score_caps, *mask_caps)
     common = dict(p=p, n_score=len(score_caps), n_mask=len(mask_caps))

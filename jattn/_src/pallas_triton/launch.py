@@ -73,12 +73,21 @@ class Constant:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class ConstantArray:
+    """An array the program holds as a constant (a dense call's BlockMask lists, say): a
+    numpy array, which the caller moves to its device once; None where its value is not
+    known."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Step:
-    """One equation of a KernelProgram: reads `inputs` (slot numbers, or Constants) and writes
+    """One equation of a KernelProgram: reads `inputs` (slot numbers or constants) and writes
     the slots `outputs`. A kernel has its `launch`; any other equation is the caller's to
     evaluate: `name` (the primitive's), `params` and the outputs' (shape, dtype)."""
 
-    inputs: tuple[int | Constant, ...]
+    inputs: tuple[int | Constant | ConstantArray, ...]
     outputs: tuple[int, ...]
     launch: KernelLaunch | None = None
     name: str = ""
@@ -89,10 +98,10 @@ class Step:
 @dataclasses.dataclass(frozen=True, eq=False)
 class KernelProgram:
     """A program as steps run in order: slots 0 .. n-1 hold its n arguments, each step's
-    outputs the next free slots; `results` are the slots (or Constants) it returns."""
+    outputs the next free slots; `results` are the slots it returns."""
 
     steps: tuple[Step, ...]
-    results: tuple[int | Constant, ...]
+    results: tuple[int, ...]
     slots: int
 
 
@@ -113,7 +122,9 @@ def kernel_program(fn: Callable, *args: jax.ShapeDtypeStruct,
     def operand(x):
         if isinstance(x, jex_core.Literal):
             return Constant(np.asarray(x.val).item())
-        return slots.get(x)  # None: a constant of the jaxpr
+        if isinstance(x, ConstantArray):
+            return None if x.value is None else ConstantArray(np.asarray(x.value))
+        return slots[x]
 
     steps = []
     for eqn in equations:
@@ -122,7 +133,7 @@ def kernel_program(fn: Callable, *args: jax.ShapeDtypeStruct,
             return None
         if eqn.primitive.name == "pallas_call":
             launch = _kernel_launch(eqn)
-            if launch is None or not all(isinstance(x, int) for x in inputs):
+            if launch is None or any(isinstance(x, Constant) for x in inputs):
                 return None
             step = Step(inputs, (), launch)
         elif evaluable(eqn.primitive.name, eqn.params, [_shape_dtype(x) for x in eqn.invars]):
@@ -158,19 +169,19 @@ def _kernel_launch(call) -> KernelLaunch | None:
     return KernelLaunch(tuple(_shape_dtype(v) for v in call.outvars), kernel, grid)
 
 
-_CONSTANT = object()  # stands for a jaxpr constant: no argument of the program
 def _inlined(closed) -> tuple[list, list]:
     """The live equations of `closed` with wrapper primitives (jit, custom_vjp, ...) replaced
-    by their bodies, in terms of its own argument variables (constants become `_CONSTANT`),
-    and its results in those terms."""
+    by their bodies, in terms of its own argument variables (constant arrays become
+    `ConstantArray`s), and its results in those terms."""
     equations, rename = [], {}
 
     def atom(x):
         return rename.get(x, x) if isinstance(x, jex_core.Var) else x
 
     def walk(inner, inputs: list) -> list:
-        inner = jaxpr_and_consts(inner)[0]
-        rename.update(dict.fromkeys(inner.constvars, _CONSTANT))
+        inner, consts = jaxpr_and_consts(inner)
+        rename.update(zip(inner.constvars, map(ConstantArray, consts)))
+        rename.update(dict.fromkeys(inner.constvars[len(consts):], ConstantArray(None)))
         rename.update(zip(inner.invars, inputs))
         for eqn in inner.eqns:
             body = wrapped(eqn.primitive, eqn.params)
