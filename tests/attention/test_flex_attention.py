@@ -456,3 +456,22 @@ def test_backward_from_saved_outputs_equals_vjp(impl):
     tolerance = 0 if impl != "pallas_triton" else 1e-5
     np.testing.assert_allclose(np.asarray(d_table), np.asarray(expected[3]), rtol=tolerance,
                                atol=tolerance, err_msg="dtable")
+
+
+def test_a_score_mod_returning_its_score_costs_nothing():
+    """transformers passes a score_mod that returns its score when it has no softcap or head
+    mask: the call is the one without a score_mod (same program), and a mod that computes
+    anything is kept."""
+    q = jnp.ones((1, 2, 128, 16))
+    softcap = None
+
+    def passthrough(score, b, h, q_idx, kv_idx):
+        if softcap is not None:
+            score = softcap * jnp.tanh(score / softcap)
+        return score
+
+    def program(score_mod):
+        return str(jax.make_jaxpr(lambda q: jattn.flex_attention(q, q, q, score_mod))(q))
+
+    assert program(passthrough) == program(None)
+    assert program(lambda s, b, h, q_idx, kv_idx: s * 2.0) != program(None)

@@ -16,7 +16,8 @@ from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 from jattn._src import backends, guards, hardware, index_bounds, precision
 from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_mod,
-                                         checked_score_mod, trace_mods, without_captures)
+                                         checked_score_mod, returns_its_score, trace_mods,
+                                         without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.constants import IMPLEMENTATION_ENV
@@ -436,6 +437,8 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
                     precision_name, known_captures):
     """The slow path: (program, score captures, mask captures) of a call, its mods traced."""
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
+    if score_mod is not None and returns_its_score(score_mod, _compute_dtype(q.dtype)):
+        score_mod = None  # (an unconditional mod, as transformers passes: no mod's costs)
     user_mods = (score_mod, block_mask.mask_mod)
     score_mod = None if score_mod is None else checked_score_mod(score_mod, _OP, (B, Hq, L, S))
     mask_mod = None if block_mask.mask_mod is None else checked_mask_mod(block_mask.mask_mod,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jattn._src.attention.config import AttentionConfig
 from jattn._src.backends import Implementation
+from jattn._src.compat import jaxpr_and_consts
 from jattn._src.mesh_axes import aligned, varying_axes
 from jattn._src.mod_errors import (MASK_PARAMETERS, SCORE_PARAMETERS, check_parameters, name_of,
                                    traced_values_explained)
@@ -105,6 +106,19 @@ def canonical_scale(fn: str, scale: Any, head_dim: int) -> float:
             f"{value!r}: scores are float32, and beyond that an ordinary q·k leaves the softmax"
             " too few bits to stay finite. Scale q (or k) down instead.")
     return value
+
+
+def returns_its_score(score_mod: Callable[..., jax.Array], dtype) -> bool:
+    """Whether score_mod returns its score unchanged: traced on scalars, it computes nothing
+    (transformers passes such a mod when it has no softcap or head mask). A mod that cannot
+    be traced on scalars is not."""
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    try:
+        closed = jax.make_jaxpr(score_mod)(jax.ShapeDtypeStruct((), dtype), *[scalar] * 4)
+    except Exception:  # its errors are checked_score_mod's to explain, at the call's shapes
+        return False
+    jaxpr = jaxpr_and_consts(closed)[0]
+    return not jaxpr.eqns and list(jaxpr.outvars) == [jaxpr.invars[0]]
 
 
 def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,
