@@ -78,10 +78,10 @@ def _eager_rows() -> list[dict]:
     rows = []
     for name, fn, arguments in _eager_cases():
         counter = CompileCounter()
-        eager = _median_ms(fn, arguments)
-        jitted = _median_ms(jax.jit(fn), arguments)
+        eager = _median_ms(fn, arguments, calls=200)
+        jitted = _median_ms(jax.jit(fn), arguments, calls=200)
         counter.count = 0
-        eager = min(eager, _median_ms(fn, arguments))  # (the two sides alternate)
+        eager = min(eager, _median_ms(fn, arguments, calls=200))  # (the two sides alternate)
         row = {"case": name, "eager_ms": round(eager, 3), "jit_ms": round(jitted, 3),
                "eager_minus_jit_ms": round(eager - jitted, 3),
                "compiles_when_warm": counter.count}

@@ -151,7 +151,9 @@ def kernel_program(fn: Callable, *args: jax.ShapeDtypeStruct,
 
 
 def _shape_dtype(x) -> tuple[tuple[int, ...], np.dtype]:
-    return tuple(x.aval.shape), np.dtype(x.aval.dtype)
+    """Of a jaxpr variable or literal, or of a ConstantArray (its value known)."""
+    aval = x.value if isinstance(x, ConstantArray) else x.aval
+    return tuple(aval.shape), np.dtype(aval.dtype)
 
 
 def _kernel_launch(call) -> KernelLaunch | None:
@@ -161,7 +163,7 @@ def _kernel_launch(call) -> KernelLaunch | None:
         return None
     with recording_kernels() as kernels:
         jax.jit(lambda *xs: call.primitive.bind(*xs, **call.params)).trace(
-            *(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in call.invars)
+            *(jax.ShapeDtypeStruct(*_shape_dtype(v)) for v in call.invars)
         ).lower(lowering_platforms=("cuda",))
     if len(kernels) != 1:
         return None
