@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 
 import jattn
 from jattn._src.attention.reference import element_mask
-from tests.helpers import (assert_close, assert_gradients_close, golden, low_precision,
-                           random)
+from tests.helpers import (COMPILED_IMPLEMENTATIONS, assert_close, assert_gradients_close,
+                           golden, low_precision, random)
 
 B, Hq, Hkv, L, S, E = 2, 4, 2, 48, 80, 16
 
@@ -52,9 +52,9 @@ def _late_window(b, h, q_idx, kv_idx):
     return (kv_idx >= q_idx + 20) & (kv_idx < q_idx + 40)
 
 
-# The sinks apply to any implementation's (out, lse): the interpreted kernels here, the xla
-# implementation across devices below.
-@pytest.mark.parametrize("impl", ["interpret"])
+# The sinks apply to any implementation's (out, lse), composed outside the kernels: xla and
+# the compiled kernels here (the interpreter adds only time), xla across devices below.
+@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
 def test_output_lse_and_gradients_match_a_softmax_with_the_sink_as_a_column(impl):
     rng, q, k, v, sinks = _inputs(0)
     mask = jattn.create_block_mask(_late_window, None, None, L, S, block_size=16)
