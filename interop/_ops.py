@@ -10,7 +10,8 @@ gradient formula (the dispatcher's per-call cost avoided), or that implementatio
 nothing needs a gradient (`run_flex`, with a `FlexPlan` found once per mask layout and options);
 an eager flex forward that is one kernel on CUDA is launched without JAX (`_direct`).
 Torch-written mods reach the ops as a key naming their translations and the tensors they read
-on this call (`capture_mods`, `traced_mods`; `_capture.py`).
+on this call (`capture_mods`, `traced_mods`; `_capture.py`, and `_mod_parts.py` for mods made
+inside a compiled region).
 This module holds the helpers every op uses and flex_attention; the GEMMs are in `_gemm_ops`,
 flex_decode in `_decode_ops`.
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
-import types
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -34,6 +34,7 @@ from torch import Tensor
 import jattn
 from ._direct import DirectProgram
 from ._capture import capture, lookup
+from . import _mod_parts
 from ._dlpack import DTYPES, jax_views, narrowed, run, to_torch, wait_for_torch, x64_scope
 from ._translate import TranslatedMod
 from jattn._src import bridge
@@ -90,36 +91,11 @@ def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
     return key, tuple(narrowed(t) for t in (*score_tensors, *mask_tensors))
 
 
-def _parts(mod) -> tuple:
-    """A mod as parts Dynamo can hand to `_key_while_tracing` (it converts functions, objects
-    and tensors, not bound methods or partials): ("method", function, self),
-    ("partial", function, n_args, *args, *keyword names, *keyword values) or ("plain", mod)."""
-    if isinstance(mod, types.MethodType):
-        return ("method", mod.__func__, mod.__self__)
-    if isinstance(mod, functools.partial):
-        names = tuple(mod.keywords)
-        return ("partial", mod.func, len(mod.args), *mod.args, *names,
-                *(mod.keywords[n] for n in names))
-    return ("plain", mod)
-
-
-def _rebuild(parts: tuple):
-    kind, fn, *rest = parts
-    if kind == "method":
-        return types.MethodType(fn, rest[0])
-    if kind == "partial":
-        n_args, rest = rest[0], rest[1:]
-        args, keywords = rest[:n_args], rest[n_args:]
-        half = len(keywords) // 2
-        return functools.partial(fn, *args, **dict(zip(keywords[:half], keywords[half:])))
-    return fn
-
-
 # runs (and translates) at trace time: a constant key
 @bridge.compat.torch_assume_constant_result
 def _key_while_tracing(n_score: int, *parts) -> str:
-    score = _rebuild(parts[:n_score]) if n_score else None
-    mask = _rebuild(parts[n_score:]) if len(parts) > n_score else None
+    score = _mod_parts.rebuild(parts[:n_score]) if n_score else None
+    mask = _mod_parts.rebuild(parts[n_score:]) if len(parts) > n_score else None
     return capture_mods(score, mask)[0]
 
 
@@ -128,8 +104,8 @@ def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
     translation depends on is read where the mods read it, so that Dynamo guards on it (a
     changed scalar re-traces), and the tensors they read become graph inputs (new values
     reach the op without recompiling)."""
-    score_parts = () if score_mod is None else _parts(score_mod)
-    mask_parts = () if mask_mod is None else _parts(mask_mod)
+    score_parts = () if score_mod is None else _mod_parts.parts(score_mod)
+    mask_parts = () if mask_mod is None else _mod_parts.parts(mask_mod)
     key = _key_while_tracing(len(score_parts), *score_parts, *mask_parts)
     tensors, state = [], []
     for mod, name in zip((score_mod, mask_mod), key.split(",")):
@@ -138,7 +114,7 @@ def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
             if translation.is_torch:
                 state.extend(translation.read_state(mod))
                 tensors.extend(translation.fetch(mod))
-    _guard_on(*state)
+    _guard_on(*(_mod_parts.specialised(value) for value in state))
     return key, tensors
 
 

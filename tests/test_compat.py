@@ -154,3 +154,32 @@ def test_torch_compile_helpers_on_the_installed_torch():
     with mode():  # indexing still reads the same values under it
         values = torch.arange(5.0)[torch.tensor([4, 0])]
     assert values.tolist() == [4.0, 0.0]
+
+
+def test_torch_closure_helpers_on_the_installed_torch():
+    """Under torch.compile, a function made in the trace is told from one made outside, and
+    its closure reads as Python reads it (what the bridge's mods made in a compiled region
+    rely on); a symbolic float argument comes out as its value."""
+    torch = pytest.importorskip("torch")
+    assert compat.torch_read_closures_while_tracing() is True  # installed once, then kept
+    outside_table = torch.ones(2)
+
+    def outside(i):
+        return outside_table[i]
+
+    def traced(x, scale):
+        local = x * 2
+
+        def inside(i):
+            return local[i] * scale
+
+        return (inside.__closure__[0].cell_contents + inside.__closure__[1].cell_contents,
+                compat.torch_made_while_tracing(inside), compat.torch_made_while_tracing(outside),
+                compat.torch_guard_scalar()(scale))
+
+    compiled = torch.compile(traced, backend="eager", fullgraph=True)
+    for scale in (3.0, 5.0):  # the second value is a symbolic float to Dynamo
+        contents, made_inside, made_outside, value = compiled(torch.arange(2.0), scale)
+        assert torch.equal(contents, torch.tensor([scale, scale + 2]))
+        assert (made_inside, made_outside, value) == (True, False, scale)
+    assert compat.torch_made_while_tracing(outside) is False

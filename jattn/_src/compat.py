@@ -152,3 +152,56 @@ def torch_getitem_to_index():
     torch.ops.aten.index), so that a translated mod reads tensors as torch's would."""
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
     return TransformGetItemToIndex
+
+
+def torch_read_closures_while_tracing() -> bool:
+    """Lets Dynamo read `fn.__closure__[i].cell_contents` of a function made inside the
+    compiled region, as Python does (torch 2.13's Dynamo raises AttributeError there; it reads
+    the closure of a function made outside): a mod that closes over a local tensor hands
+    Dynamo its tensors that way. Installed once, on Dynamo's classes; False where this torch
+    lays them out otherwise (such mods then fail to trace)."""
+    try:
+        from torch._dynamo.side_effects import SideEffects
+        from torch._dynamo.variables import functions, misc
+        from torch._dynamo.variables.constant import ConstantVariable
+        nested, cell = functions.NestedUserFunctionVariable, misc.CellVariable
+    except (ImportError, AttributeError):  # pragma: no cover - other torch layouts
+        return False
+    if getattr(nested.var_getattr, "_jattn_reads_closures", False):
+        return True
+    if ("closure" not in inspect.signature(nested.__init__).parameters
+            or not hasattr(SideEffects, "load_cell")):
+        return False  # pragma: no cover - other torch layouts
+    nested_getattr, cell_getattr = nested.var_getattr, cell.var_getattr
+
+    def function_getattr(self, tx, name):
+        if name == "__closure__":
+            return ConstantVariable.create(None) if self.closure is None else self.closure
+        return nested_getattr(self, tx, name)
+
+    def cell_contents_getattr(self, tx, name):
+        if name == "cell_contents":  # a cell's current contents, its writes in the trace seen
+            return tx.output.side_effects.load_cell(self)
+        return cell_getattr(self, tx, name)
+
+    function_getattr._jattn_reads_closures = True
+    nested.var_getattr, cell.var_getattr = function_getattr, cell_contents_getattr
+    return True
+
+
+def torch_guard_scalar():
+    """guard_scalar(x): a Python scalar as itself, a symbolic one (an unspecialised float
+    argument of a compiled function) as its value, Dynamo guarding on it."""
+    from torch.fx.experimental.symbolic_shapes import guard_scalar
+    return guard_scalar
+
+
+def torch_made_while_tracing(fn) -> bool:
+    """Under torch.compile, whether Dynamo made the function `fn` in the trace (its closure may
+    hold values of the trace, so it is no constant): torch 2.13's Dynamo does not read the
+    globals of such a function. Outside torch.compile: False."""
+    try:
+        fn.__globals__  # noqa: B018  (the read is the test; the value stays unrealised)
+    except AttributeError:
+        return True
+    return False
