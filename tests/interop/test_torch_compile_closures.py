@@ -10,6 +10,11 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import interop.torch as jt  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
+# torch 2.11's Dynamo hands no closure made in the trace to trace-time code (docs/torch.md)
+pytestmark = pytest.mark.skipif(
+    tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason="needs torch >= 2.13")
+
 B, H, L, E, BLOCK = 1, 2, 64, 16, 32
 GEN = torch.Generator().manual_seed(0)
 
