@@ -36,7 +36,7 @@ def test_any_block_size_attends_as_sixteen(impl, block_size):
             out = jattn.flex_attention(q, k, v, block_mask=mask, implementation=impl,
                                        precision="highest")  # (TF32 differs by tile on GPUs)
             return jnp.sum(out * cotangent), out
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, out), grads = run(mask)
     (_, expected), expected_grads = run(reference)
