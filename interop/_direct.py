@@ -111,8 +111,11 @@ def _run(program: KernelProgram, tensors: Sequence[Tensor], index: int) -> list[
             slots[step.outputs[0]] = value
             continue
         alignment = launch.alignment
-        operands = [t if t.is_contiguous() and not t.data_ptr() % alignment
-                    else t.clone(memory_format=torch.contiguous_format) for t in operands]
+        for position, (slot, t) in enumerate(zip(step.inputs, operands)):
+            if not t.is_contiguous() or t.data_ptr() % alignment:  # copied once per call
+                operands[position] = t = t.clone(memory_format=torch.contiguous_format)
+                if type(slot) is int:
+                    slots[slot] = t
         outputs = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
                    for shape, dtype in launch.outputs]
         if not launch([t.data_ptr() for t in operands], [out.data_ptr() for out in outputs],

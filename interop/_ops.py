@@ -418,21 +418,23 @@ class _EagerFlex(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, masks, return_lse, q, k, v, *captures):
         kv_lists = kv_major(masks)
+        # strided q, k, v (as after a transpose) copied once, for the forward and the backward
+        dense = [x.contiguous() for x in (q, k, v)]
         direct = None if plan.direct is None else plan.direct[True](
-            (q, k, v, *kv_lists, *captures))
+            (*dense, *kv_lists, *captures))
         if direct is not None:
             out_tensor, lse_tensor = direct
-            ctx.arrays = ctx.tensors = q, k, v, out_tensor, lse_tensor
+            ctx.arrays = ctx.tensors = *dense, out_tensor, lse_tensor
         else:
-            (out, lse), device, qkv = _run_plan(plan, q, k, v, kv_lists, captures,
+            (out, lse), device, qkv = _run_plan(plan, *dense, kv_lists, captures,
                                                 return_lse=True)
             out_tensor = to_torch(out, device)
             lse_tensor = (to_torch(lse, device)
                           if return_lse or bridge.backward_launches_directly(
                               plan.options["implementation"]) else None)
-            # the JAX backward reads them without crossing again (q, k, v: no second copy of
-            # a strided input); a backward launched directly reads the tensors
-            ctx.arrays, ctx.tensors = (*qkv, out, lse), (q, k, v, out_tensor, lse_tensor)
+            # the JAX backward reads them without crossing again; a backward launched
+            # directly reads the tensors
+            ctx.arrays, ctx.tensors = (*qkv, out, lse), (*dense, out_tensor, lse_tensor)
         lse_tensor = lse_tensor.clone() if return_lse else None
         ctx.save_for_backward(q, k, v, out_tensor, *captures)  # version checks
         ctx.masks, ctx.plan = masks, plan

@@ -49,12 +49,21 @@ def low_precision(fn: Callable[..., Any], *args: Any) -> Any:
     picks TF32 for some shapes and full float32 for others (matrix-vector): there each result
     leaf holds both XLA's own result and fn on inputs cut to TF32's 10 mantissa bits.
     """
-    plain = fn(*args)
     if not has_cuda():
-        return plain
+        return _jitted_where_possible(fn, args)
+    plain = fn(*args)  # (op by op: XLA's choice of TF32 per dot is what the References cover)
     truncated = fn(*jax.tree.map(
         lambda x: _truncate_to_tf32(x) if jnp.asarray(x).dtype == jnp.float32 else x, args))
     return jax.tree.map(lambda x, y: References((x, y)), plain, truncated)
+
+
+def _jitted_where_possible(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """fn(*args) jitted (one compile, where op by op compiles every op), or op by op for a
+    reference that reads values in Python."""
+    try:
+        return jax.jit(fn)(*args)
+    except jax.errors.JAXTypeError:
+        return fn(*args)
 
 
 def golden(fn: Callable[..., Any], *args: Any) -> Any:
@@ -67,11 +76,7 @@ def golden(fn: Callable[..., Any], *args: Any) -> Any:
             return x.astype(jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
         with jax.default_device(cpu):
-            args = jax.tree.map(to64, args)
-            try:  # jitted: one compile, where op by op compiles every op
-                out = jax.jit(fn)(*args)
-            except jax.errors.JAXTypeError:  # a reference that reads values in Python
-                out = fn(*args)
+            out = _jitted_where_possible(fn, jax.tree.map(to64, args))
             return jax.tree.map(lambda y: np.asarray(y, np.float64), out)
 
 
