@@ -430,8 +430,7 @@ class _EagerFlex(torch.autograd.Function):
                                                 return_lse=True)
             out_tensor = to_torch(out, device)
             lse_tensor = (to_torch(lse, device)
-                          if return_lse or bridge.backward_launches_directly(
-                              plan.options["implementation"]) else None)
+                          if return_lse or plan.backward_direct else None)
             # the JAX backward reads them without crossing again; a backward launched
             # directly reads the tensors
             ctx.arrays, ctx.tensors = (*qkv, out, lse), (*dense, out_tensor, lse_tensor)
@@ -488,6 +487,8 @@ class FlexPlan:
     arrays, capture arrays) -> out, or (out, lse). direct: for the Pallas kernels on CUDA,
     the two as `DirectProgram`s on (q, k, v, kv-major lists, captures), launched without JAX
     where they are one kernel; else None. options: `_flex_static`'s, for the backwards.
+    backward_direct: whether the backward is pallas_triton's kernels, which may be launched
+    without JAX (`FlexBackward.direct`).
     """
 
     static: tuple
@@ -496,6 +497,7 @@ class FlexPlan:
     forward_lse: Callable
     direct: tuple[DirectProgram, DirectProgram] | None
     options: dict
+    backward_direct: bool
     _backwards: dict = dataclasses.field(default_factory=dict)
 
     def backward(self, differentiated: tuple[bool, ...]) -> FlexBackward:
@@ -503,8 +505,8 @@ class FlexPlan:
         found = self._backwards.get(differentiated)
         if found is None:
             found = self._backwards[differentiated] = FlexBackward.make(
-                _backward_program(differentiated, **self.options),
-                self.options["implementation"], len(differentiated))
+                _backward_program(differentiated, **self.options), self.backward_direct,
+                len(differentiated))
         return found
 
 
@@ -519,8 +521,8 @@ class FlexBackward:
     direct: tuple[DirectProgram, DirectProgram] | None
 
     @classmethod
-    def make(cls, program: Callable, implementation: str, n_captures: int) -> FlexBackward:
-        if not bridge.backward_launches_directly(implementation):
+    def make(cls, program: Callable, direct: bool, n_captures: int) -> FlexBackward:
+        if not direct:
             return cls(program, None)
 
         def pack(tensors, with_d_lse):  # flat, with or without d_lse -> arguments
@@ -559,7 +561,8 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
             return (*tensors[:3], tensors[3:n], tensors[n:])
         direct = DirectProgram(forward, pack), DirectProgram(forward_lse, pack)
     plan = FlexPlan(static, tensor_names(_FORWARD_TENSORS, n_lists, n_captures, kv_only=True),
-                    forward, forward_lse, direct, options)
+                    forward, forward_lse, direct, options,
+                    bridge.backward_launches_directly(options["implementation"]))
     with _PLANS_LOCK:
         FLEX_PLANS[key] = plan
         while len(FLEX_PLANS) > _MAX_FLEX_PLANS:
