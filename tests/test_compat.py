@@ -183,3 +183,13 @@ def test_torch_closure_helpers_on_the_installed_torch():
         assert torch.equal(contents, torch.tensor([scale, scale + 2]))
         assert (made_inside, made_outside, value) == (True, False, scale)
     assert compat.torch_made_while_tracing(outside) is False
+
+
+def test_environment_variable_reads_what_os_environ_holds(monkeypatch):
+    name = "JATTN_TEST_COMPAT_VARIABLE"
+    monkeypatch.delenv(name, raising=False)
+    assert compat.environment_variable(name) is None
+    monkeypatch.setenv(name, "pallas_triton")
+    assert compat.environment_variable(name) == "pallas_triton"
+    monkeypatch.setenv(name, "")
+    assert compat.environment_variable(name) == ""

@@ -14,14 +14,13 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 
-from jattn._src import hardware
+from jattn._src import compat, hardware
 from jattn._src.constants import IMPLEMENTATION_ENV
 
 logger = logging.getLogger("jattn")
@@ -158,6 +157,11 @@ def recording() -> Iterator[list[Resolution]]:
         _EXPLAINING.reset(token)
 
 
+def requested_implementation() -> str | None:
+    """$JATTN_IMPLEMENTATION, or None (read by every eager call's plan key)."""
+    return compat.environment_variable(IMPLEMENTATION_ENV)
+
+
 def explaining() -> bool:
     """Whether calls are being explained (`recording`): eager calls then resolve their
     implementation instead of replaying a plan, so that each is reported."""
@@ -204,7 +208,7 @@ def resolve(op: str, implementation: str | None = None, *, platform: str | None 
     skipped = []
     candidates = list(DEFAULT_ORDER[platform])
     source = f"platform default ({platform})"
-    requested = os.environ.get(IMPLEMENTATION_ENV)
+    requested = requested_implementation()
     if requested:
         _check_name(requested, IMPLEMENTATION_ENV)
         reason = _why_not(available.get(requested), requested, op, platform, facts)

@@ -62,7 +62,11 @@ def read_state(*fns: Any) -> State:
 
 
 def _is_library(value: Any) -> bool:
-    module = getattr(value, "__module__", None) or ""
+    return _is_library_module(getattr(value, "__module__", None) or "")
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_library_module(module: str) -> bool:
     return module.split(".")[0] in _LIBRARY_MODULES
 
 
@@ -81,18 +85,18 @@ class _Walker:
             return (kind, value)
         if kind is float:
             return (float, value.hex())  # -0.0 and NaN recorded as they are
+        if kind is types.FunctionType:  # jattn's own closures are walked too
+            library = _is_library(value) and not value.__module__.startswith("jattn")
+            return _identity(value) if library else self._function(value)
         if isinstance(value, (jax.Array, np.ndarray)):
             self.arrays.append(value)
-            return ("array", value.shape, str(value.dtype), getattr(value, "weak_type", False))
+            return ("array", value.shape, value.dtype, getattr(value, "weak_type", False))
         if isinstance(value, np.generic):
-            return ("scalar", str(value.dtype), value.tobytes())
+            return ("scalar", value.dtype, value.tobytes())
         if kind in (tuple, list):
             return (kind, tuple(self.walk(x) for x in value))
         if kind is dict:
             return (dict, tuple((self.walk(k), self.walk(v)) for k, v in value.items()))
-        if isinstance(value, types.FunctionType):  # jattn's own closures are walked too
-            library = _is_library(value) and not value.__module__.startswith("jattn")
-            return _identity(value) if library else self._function(value)
         if isinstance(value, functools.partial):
             return ("partial", self.walk(value.func), self.walk(value.args),
                     self.walk(value.keywords))
@@ -121,19 +125,24 @@ class _Walker:
         return ("class", _identity(cls), tuple(values))
 
     def _function(self, fn: types.FunctionType) -> Hashable:
+        # (on every eager call's path: absent parts are not walked)
         if id(fn) in self.active:
             return ("recursive", fn.__code__)
         self.active.add(id(fn))
         try:
-            code = fn.__code__
-            cells = tuple(self.walk(_cell(c)) for c in fn.__closure__ or ())
+            code, closure, defaults, kwdefaults = (fn.__code__, fn.__closure__, fn.__defaults__,
+                                                   fn.__kwdefaults__)
+            cells = tuple([self.walk(_cell(c)) for c in closure]) if closure else ()
             names = _global_names(code)
-            namespace = fn.__globals__
-            globals_ = tuple((name, self._global(namespace[name], names))
-                             for name in names if name in namespace)
-            attributes = self.walk(vars(fn)) if vars(fn) else None  # (`mod.bias = ...`)
-            return ("function", code, self.walk(fn.__defaults__),
-                    self.walk(fn.__kwdefaults__), cells, globals_, attributes)
+            globals_ = ()
+            if names:
+                namespace = fn.__globals__
+                globals_ = tuple([(name, self._global(namespace[name], names))
+                                  for name in names if name in namespace])
+            attributes = fn.__dict__  # (`mod.bias = ...`)
+            return ("function", code, None if defaults is None else self.walk(defaults),
+                    None if kwdefaults is None else self.walk(kwdefaults), cells, globals_,
+                    self.walk(attributes) if attributes else None)
         finally:
             self.active.discard(id(fn))
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Hashable, Iterator
 
 import jax
+
+from jattn._src.programs import ProgramCache
 
 # How jattn calls each kind of mod.
 SCORE_PARAMETERS = ("score", "b", "h", "q_idx", "kv_idx")
@@ -21,7 +24,11 @@ def name_of(fn: Callable) -> str:
 
 def check_parameters(fn: str, role: str, mod: Callable, parameters: tuple[str, ...]) -> None:
     """A clear error when `mod` cannot be called with `parameters` (a raw Python TypeError
-    from deep inside the tracing otherwise)."""
+    from deep inside the tracing otherwise). A signature that took them once is not read
+    again (reading one costs ~30 us; mods are made fresh every call)."""
+    key = _signature_key(mod)
+    if key is not None and _ACCEPTED.get((key, parameters)):
+        return
     try:
         signature = inspect.signature(mod)
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
@@ -33,6 +40,26 @@ def check_parameters(fn: str, role: str, mod: Callable, parameters: tuple[str, .
                         f"{name_of(mod)}{signature} cannot take these {len(parameters)} "
                         "arguments; add the missing parameters (unused ones can be `*_`)."
                         ) from None
+    if key is not None:
+        _ACCEPTED.put((key, parameters), True)
+
+
+# (signature key, parameters) of signatures that took them.
+_ACCEPTED: ProgramCache[bool] = ProgramCache("mod_errors.accepted_signatures", maxsize=1024)
+
+
+def _signature_key(mod: Callable) -> Hashable | None:
+    """What `mod`'s signature follows from, where that is its code alone: a plain function's
+    code and defaults' count, or for an object its class's `__call__`'s (library mods); None
+    for anything else (partials, wrapped functions, builtins), whose signature is read."""
+    if not isinstance(mod, types.FunctionType):
+        call = getattr(type(mod), "__call__", None)
+        if not isinstance(call, types.FunctionType) or "__signature__" in vars(type(mod)):
+            return None
+        return (type(mod), _signature_key(call))
+    if hasattr(mod, "__wrapped__") or hasattr(mod, "__signature__"):
+        return None
+    return (mod.__code__, len(mod.__defaults__ or ()), tuple(mod.__kwdefaults__ or ()))
 
 
 @contextlib.contextmanager

@@ -71,11 +71,15 @@ class ProgramCache(Generic[Program]):
         return len(self._programs)
 
     def get(self, key: Hashable) -> Program | None:
-        with self._lock:
-            program = self._programs.get(key)
-            if program is not None:
+        # Without the lock (on every eager call's path): the dict's own operations are atomic,
+        # and a key another thread evicts meanwhile is simply not reordered.
+        program = self._programs.get(key)
+        if program is not None:
+            try:
                 self._programs.move_to_end(key)
-            return program
+            except KeyError:
+                pass
+        return program
 
     def put(self, key: Hashable, program: Program) -> Program:
         """Stores `program` unless one is stored under `key` already; returns the stored one."""

@@ -97,7 +97,11 @@ def test_config_names_its_compiler():
     assert heuristic_config(64, (128, 128), masked=True).compiler == "xla"
     assert heuristic_config(128, (128, 128), masked=False, triton_compiler=True).compiler == (
         "triton")
-    assert heuristic_config(128, (128, 128), masked=True, triton_compiler=True).compiler == "xla"
+    # with a mask_mod at D128: `triton`'s compile of XLA's best tile (launchable from torch)
+    masked = heuristic_config(128, (128, 128), masked=True, triton_compiler=True)
+    assert (masked.block_q, masked.block_k, masked.num_warps, masked.num_stages,
+            masked.compiler) == (128, 64, 4, 2, "triton")
+    assert heuristic_config(128, (128, 128), masked=True).compiler == "xla"
     # the backward: `triton`'s compile where it can, except with a score_mod
     assert heuristic_config(128, (128, 128), masked=True, triton_compiler=True).bwd_compiler == (
         "triton")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +19,6 @@ from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_
                                          without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.sinks import checked_sinks, with_sinks
-from jattn._src.constants import IMPLEMENTATION_ENV
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
 from jattn._src.masks.fitting import fitted
 from jattn._src.mesh_axes import summed_to_vary_like, varying_axes
@@ -38,18 +36,22 @@ ScoreMod = Callable[..., jax.Array]
 # ------------------------------------------------------------------------------------------------
 
 def _check_inputs(q, k, v, enable_gqa: bool) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
+    # (on every eager call's path: each shape and dtype read once)
+    shapes = q.shape, k.shape, v.shape
+    for name, shape in zip("qkv", shapes):
+        if len(shape) != 4:
             raise ValueError(f"flex_attention: `{name}` must be [batch, heads, length, dim], got "
-                             f"shape {x.shape}.")
-        if x.dtype not in _DTYPES:
-            raise TypeError(f"flex_attention: `{name}` has dtype {x.dtype}; supported are "
-                            "bfloat16, float16, float32 and (with jax_enable_x64) float64.")
-    if not q.dtype == k.dtype == v.dtype:
+                             f"shape {shape}.")
+    dtype = q.dtype
+    if dtype not in _DTYPES or not dtype == k.dtype == v.dtype:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.dtype not in _DTYPES:
+                raise TypeError(f"flex_attention: `{name}` has dtype {x.dtype}; supported are "
+                                "bfloat16, float16, float32 and (with jax_enable_x64) float64.")
         raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
                         f"{k.dtype} and {v.dtype}.")
-    (B, Hq, _, E), (Bk, Hkv, _, Ek) = q.shape, k.shape
-    if 0 in (E, v.shape[-1]):
+    (B, Hq, _, E), (Bk, Hkv, S, Ek), v_shape = shapes
+    if 0 in (E, v_shape[-1]):
         raise ValueError(f"flex_attention: head dims must be at least 1, got q {q.shape} and "
                          f"v {v.shape}.")
     if 0 in (Hq, Hkv):
@@ -58,7 +60,7 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
     if Ek != E:
         raise ValueError(f"flex_attention: q {q.shape} and k {k.shape} must have the same head "
                          "dim (last axis).")
-    if v.shape[:3] != k.shape[:3]:
+    if v_shape[:3] != (Bk, Hkv, S):
         raise ValueError(f"flex_attention: k {k.shape} and v {v.shape} must agree on batch, "
                          "heads and length.")
     if Bk not in (B, 1):
@@ -262,7 +264,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     neither traces nor compiles. Arrays the mods close over are arguments, so new values
     reuse the program.
     """
-    sinks = checked_sinks(_OP, sinks, jnp.shape(q)[1] if jnp.ndim(q) == 4 else None)
+    if sinks is not None:
+        sinks = checked_sinks(_OP, sinks, jnp.shape(q)[1] if jnp.ndim(q) == 4 else None)
     result = flex_attention_with_captures(q, k, v, score_mod, block_mask, scale=scale,
                                           enable_gqa=enable_gqa,
                                           return_lse=return_lse or sinks is not None,
@@ -280,7 +283,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  implementation=None, precision=None):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does."""
-    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    if not (isinstance(q, jax.Array) and isinstance(k, jax.Array) and isinstance(v, jax.Array)):
+        q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     empty = _empty_result(q, k, v)
     if empty is not None:
@@ -385,12 +389,13 @@ def _plan_key(q, k, v, state: guards.State, known_captures, block_mask, *options
     BlockMask's static fields. None where no plan applies: arrays traced by an outer
     transformation, captures the caller names, mods reading what guards cannot record, or
     `jattn.explain` asking which implementation the call resolves to."""
+    tracer = jax.core.Tracer
     if (state.record is None or known_captures != ((), ()) or backends.explaining()
-            or any(isinstance(x, jax.core.Tracer) for x in (q, k, v))):
+            or isinstance(q, tracer) or isinstance(k, tracer) or isinstance(v, tracer)):
         return None
     return (state.record, q.shape, k.shape, v.shape, q.dtype, *options,
             None if block_mask is None else _static_fields(block_mask),
-            os.environ.get(IMPLEMENTATION_ENV), hardware.default_platform())
+            backends.requested_implementation(), hardware.default_platform())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,17 +67,18 @@ def heuristic_config(head_dim: int, mask_block: tuple[int, int], *, masked: bool
     `triton` package can compile the kernels; `score_mod`: the call has one."""
     # The fastest configs of the H100 tile sweeps (benchmarks/HISTORY.md, "FlexAttention").
     # Compiled by the `triton` package: D128 without a mask_mod 128x64 w4 s4, level with
-    # torch's compiled flex_attention; D <= 64 128x64 w4 s5. With a mask_mod at D128, XLA's
-    # compile of 128x64 w4 s2 leads every Triton 3.6 config. Without `triton`, XLA's best:
-    # 128x64 w4 s2 at D128, at D64 64x128 w4 s3 without a mask_mod, 64x64 w4 s3 with one.
+    # torch's compiled flex_attention; with one 128x64 w4 s2, level with XLA's compile of the
+    # same config (0.99-1.01x at L2048-4096, causal and documents) and launchable by the torch
+    # ops without JAX; D <= 64 128x64 w4 s5. Without `triton`, XLA's best: 128x64 w4 s2 at
+    # D128, at D64 64x128 w4 s3 without a mask_mod, 64x64 w4 s3 with one.
     # Backward: 64x64 w4 s2, fastest at every shape of the backward sweep. Compiled by `triton`
     # without a score_mod (1.01-1.04x XLA's compile, and the torch ops launch it without JAX);
     # with one XLA's (softcap: `triton`'s 0.78x; benchmarks/HISTORY.md).
-    if head_dim > 64 and (masked or not triton_compiler):
+    if head_dim > 64 and not triton_compiler:
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2)
     elif head_dim > 64:
-        config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=4,
-                                 compiler="triton")
+        config = AttentionConfig(block_q=128, block_k=64, num_warps=4,
+                                 num_stages=2 if masked else 4, compiler="triton")
     elif triton_compiler:
         config = AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=5,
                                  compiler="triton")

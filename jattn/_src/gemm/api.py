@@ -6,7 +6,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -16,7 +15,6 @@ import numpy as np
 
 from jattn._src import backends, guards, hardware
 from jattn._src.backends import Implementation
-from jattn._src.constants import IMPLEMENTATION_ENV
 from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
 from jattn._src.precision import applied as precision_applied
@@ -312,7 +310,7 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     if state.record is not None and not backends.explaining() and not any(
             isinstance(x, jax.core.Tracer) for x in state.arrays):
         key = (op, m, n, k, jnp.dtype(dtype), out_dtype, config, implementation, split_k,
-               precision, state.record, os.environ.get(IMPLEMENTATION_ENV),
+               precision, state.record, backends.requested_implementation(),
                hardware.default_platform())
         plan = _PLANS.get(key) if runs is None else None
         if plan is not None:

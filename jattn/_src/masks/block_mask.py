@@ -144,13 +144,20 @@ class BlockMask:
                           block_size: tuple[int, int], seq_lengths: tuple[int, int],
                           mask_mod: MaskMod | None) -> BlockMask:
         """From [Bm, Hm, nQ, nKV] bool tables of partial and full blocks (disjoint)."""
-        kv_num, kv_idx = lists_from_dense(partial)
-        q_num, q_idx = lists_from_dense(_transpose(partial))
-        full_lists = (None,) * 4
+        tables = [partial, _transpose(partial)]
         if full is not None:
-            full_lists = (*lists_from_dense(full), *lists_from_dense(_transpose(full)))
-        return cls(kv_num, kv_idx, full_lists[0], full_lists[1], q_num, q_idx, full_lists[2],
-                   full_lists[3], block_size=block_size, seq_lengths=seq_lengths,
+            tables += [full, _transpose(full)]
+        # The tables of one shape listed together: a few kernels per shape, not per table
+        # (create_block_mask at 32k: 0.15 ms for four tables one by one, H100).
+        lists = [None] * 8
+        for shape in {t.shape for t in tables}:
+            at = [i for i, t in enumerate(tables) if t.shape == shape]
+            nums, indices = lists_from_dense(jnp.stack([tables[i] for i in at]))
+            for j, i in enumerate(at):
+                lists[2 * i], lists[2 * i + 1] = nums[j], indices[j]
+        kv_num, kv_idx, q_num, q_idx, full_kv_num, full_kv_idx, full_q_num, full_q_idx = lists
+        return cls(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
+                   full_q_idx, block_size=block_size, seq_lengths=seq_lengths,
                    mask_mod=mask_mod)
 
     @classmethod

@@ -37,18 +37,20 @@ def legal_block(block: int, length: int) -> int:
     return math.lcm(block, MIN_DOT_TILE)
 
 
+_LEGAL = "legal"  # `fitted`'s memo on a mask whose blocks the kernels take as they are
+
+
 def fitted(mask: BlockMask) -> BlockMask:
     """`mask` with legal blocks (module docstring); itself when they already are. An eager
     mask keeps its fitted twin (made once, however often it is used)."""
-    blocks = tuple(legal_block(b, n) for b, n in zip(mask.block_size, mask.seq_lengths))
-    if blocks == tuple(mask.block_size):
-        return mask
     known = mask.__dict__.get("_fitted")
     if known is not None:
-        return known
-    result = _fitted(mask, blocks)
+        return mask if known is _LEGAL else known
+    blocks = tuple(legal_block(b, n) for b, n in zip(mask.block_size, mask.seq_lengths))
+    result = mask if blocks == tuple(mask.block_size) else _fitted(mask, blocks)
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(result)):
-        object.__setattr__(mask, "_fitted", result)  # (not a value of a trace in progress)
+        # (not a value of a trace in progress; a legal mask keeps a marker, not itself)
+        object.__setattr__(mask, "_fitted", _LEGAL if result is mask else result)
     return result
 
 

@@ -33,6 +33,12 @@ def _library_mod(helper: str):
     return register
 
 
+def _as_array(x) -> jax.Array:
+    """x as a JAX array; an array (or tracer) as it is (jnp.asarray of one costs ~20 us, and
+    a training loop makes its mods anew every step)."""
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
 # ---- masks ---------------------------------------------------------------------------------------
 
 def noop_mask(b, h, q_idx, kv_idx):
@@ -134,7 +140,7 @@ def document_mask(segment_ids: jax.Array) -> MaskMod:
         dense = jattn.create_mask(mask_mod, None, None, 8, 8)
         print(dense[0, 0, 4].astype(int))  # [0 0 0 1 1 0 0 0]; dense is bool (1, 1, 8, 8)
     """
-    segment_ids = jnp.asarray(segment_ids)
+    segment_ids = _as_array(segment_ids)
     if segment_ids.ndim not in (1, 2) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(f"document_mask: `segment_ids` must be an int array [L] or [B, L], got "
                          f"{segment_ids.dtype}{list(segment_ids.shape)}.")
@@ -225,7 +231,7 @@ def alibi(slopes: jax.Array):
         out = jattn.flex_attention(q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(4)))
         print(out.shape)  # (1, 4, 128, 32)
     """
-    return _Alibi(jnp.asarray(slopes))
+    return _Alibi(_as_array(slopes))
 
 
 @_library_mod("jattn.mods.alibi")
@@ -297,7 +303,7 @@ def relative_position_bias(table: jax.Array):
             q, k, v, jattn.mods.relative_position_bias(t)).sum()
         print(jax.grad(loss)(table).shape)  # (2, 17)
     """
-    return _RelativePositionBias(jnp.asarray(table))
+    return _RelativePositionBias(_as_array(table))
 
 
 @_library_mod("jattn.mods.relative_position_bias")
