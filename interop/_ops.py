@@ -534,10 +534,9 @@ class FlexBackward:
                                   for w in (False, True)))
 
 
-# (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S,
-# q's dtype, head dims, scale, enable_gqa, implementation, config, device type) -> FlexPlan;
-# the latest made are
-# kept (a lookup does not reorder: it is on every call's path).
+# (mods key, block size, seq lengths, number of kv-major lists, number of captures, L, S, B,
+# Hq, q's dtype, head dims, scale, enable_gqa, implementation, config, device type) -> FlexPlan;
+# the latest made are kept (a lookup does not reorder: it is on every call's path).
 FLEX_PLANS: OrderedDict[tuple, FlexPlan] = OrderedDict()
 _MAX_FLEX_PLANS = 256
 _PLANS_LOCK = threading.Lock()
@@ -549,11 +548,16 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
     plan = FLEX_PLANS.get(key)
     if plan is not None:
         return plan
-    mods, block_size, seq_lengths, n_lists, n_captures, *_, scale, enable_gqa, \
-        implementation, config, _ = key
+    mods, block_size, seq_lengths, n_lists, n_captures, L, S, B, Hq, _, E, _, scale, \
+        enable_gqa, implementation, config, _ = key
     static = (mods, list(block_size), list(seq_lengths), scale, enable_gqa, implementation,
               config)
-    options = _flex_static(device, facts(), *static)
+    call_facts = facts()
+    if device.type == "cuda" and decode_config(config)[0] is None:
+        # (pallas_triton's forward, compiled by `triton` with the default config, is launched
+        # without JAX: the implementation choice weighs that)
+        call_facts.update(bridge.torch_eager_facts(4 * B * Hq * L * S * E))
+    options = _flex_static(device, call_facts, *static)
     forward, forward_lse = _flex_program(False, **options), _flex_program(True, **options)
     direct = None
     if bridge.launches_directly(options["implementation"]):

@@ -428,7 +428,8 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
         kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
     mods, captures = _ops.capture_mods(score_mod, mask_mod)
     plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
-                           len(captures), L, S, query.dtype, query.shape[-1], value.shape[-1],
+                           len(captures), L, S, query.shape[0], query.shape[1], query.dtype,
+                           query.shape[-1], value.shape[-1],
                            scale, enable_gqa, implementation, config, query.device.type),
                           query.device,
                           lambda: _ops.flex_facts(query, value, mods, captures))

@@ -15,12 +15,13 @@ from jattn._src.attention.api import flex_attention_with_captures as flex_attent
 from jattn._src.decoding.paged import check_pool_sizes
 from jattn._src.pallas_triton.launch import Constant, ConstantArray, KernelProgram, kernel_program
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.pallas_triton.compile import triton_compiler_available
 from jattn._src.programs import register_cache
 
 __all__ = ["Constant", "ConstantArray", "KernelProgram", "MaskLists",
            "backward_launches_directly", "check_pool_sizes", "compat", "flex_attention",
            "flex_attention_backward", "kernel_program", "launches_directly", "register_cache",
-           "resolve", "unreadable_capture"]
+           "resolve", "torch_eager_facts", "unreadable_capture"]
 
 
 def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> str:
@@ -35,6 +36,13 @@ def resolve(op: str, implementation: str | None, *, on_cuda: bool, **facts) -> s
             raise
         raise ValueError(f"{error} Here the tensors are on the CPU: an implementation that "
                          "runs on CUDA tensors needs them moved with .cuda().") from None
+
+
+def torch_eager_facts(work: int) -> dict:
+    """What an eager torch flex_attention call adds to its facts for the implementation
+    choice, where pallas_triton's forward is the `triton` package's kernel the op launches
+    without JAX: its attention work, 4 * B * Hq * L * S * E (`pallas_mosaic_gpu.slower`)."""
+    return {"torch_eager_work": work} if triton_compiler_available() else {}
 
 
 def launches_directly(implementation: str) -> bool:

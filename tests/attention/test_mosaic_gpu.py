@@ -76,10 +76,14 @@ def test_the_environment_variable_applies_where_the_call_is_supported(
     (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024), score_mod=True), MOSAIC),
     (dict(head_dim=64, value_dim=64, seq_lengths=(1024, 1024)), "pallas_triton"),
     (dict(unreadable_capture="a gather"), "pallas_triton"),
+    # an eager torch call launches pallas_triton's forward itself: worth it on small work
+    (dict(torch_eager_work=10**11), "pallas_triton"),
+    (dict(torch_eager_work=10**13), MOSAIC),
 ])
 def test_hopper_defaults_to_mosaic_where_measured_faster(as_if_on_hopper, facts, chosen):
     """The default choice (jattn's calls and the torch ops alike) takes the Mosaic forward
-    except where it cannot run the call or pallas_triton's was measured faster."""
+    except where it cannot run the call or pallas_triton's was measured faster (or, for an
+    eager torch call, would be launched directly at less cost)."""
     assert bridge.resolve("flex_attention", None, on_cuda=True, **_facts(**facts)) == chosen
     with backends.recording() as seen:
         backends.resolve("flex_attention", platform="gpu", **_facts(**facts))
@@ -406,18 +410,21 @@ def _window_by_head(b, h, q_idx, kv_idx):  # causal, 128 (h + 1) keys back: work
 
 
 @gpu
-@pytest.mark.parametrize("B, Hq, Hkv, E, dtype, score_mod, mask_mod, heads", [
-    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None),
-    (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None),
-    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4),
-    (2, 8, 4, 128, jnp.bfloat16, None, None, None),  # no BlockMask: up to 16 tiles, 9 here
+@pytest.mark.parametrize("B, Hq, Hkv, E, dtype, score_mod, mask_mod, heads, sms", [
+    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),
+    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 7),  # dealt: 6, 6, .., 5
+    (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None, 3),
+    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 3),
+    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 10),  # dealt
+    (2, 8, 4, 128, jnp.bfloat16, None, None, None, 3),  # no BlockMask: up to 16 tiles, 9 here
 ])
 def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv, E, dtype,
-                                                         score_mod, mask_mod, heads):
+                                                         score_mod, mask_mod, heads, sms):
     """With few SMs for the tiles (3 here, 20-80 tiles of 640 queries), each program walks up
     to seven or nine tiles, the BlockMask rows with the most blocks first, the last program
-    fewer: its K/V ring and query buffers run on from one tile into the next."""
-    monkeypatch.setattr(hardware, "num_sms", lambda: 3)
+    fewer: its K/V ring and query buffers run on from one tile into the next. With 7 or 10 SMs
+    the programs fit in one wave and the tiles are dealt round them."""
+    monkeypatch.setattr(hardware, "num_sms", lambda: sms)
     q, k, v = _inputs(B, Hq, Hkv, 640, E, dtype, seed=7)
     block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, heads, 640,
                                                                        640)

@@ -71,14 +71,27 @@ def unreadable_capture(score_mod, mask_mod, score_captures, mask_captures,
     return in_kernel.unreadable(mods, seq_lengths, TILE)
 
 
-def slower(*, head_dim=None, seq_lengths=None, score_mod=None, **facts) -> str | None:
+# An eager torch op call runs this forward through JAX (0.7-1.0 ms of host per call in a
+# transformers Llama step, H100) and pallas_triton's forward launched directly (0.4 ms); below
+# this much attention work (4 * B * Hq * L * S * E, as if dense) this forward saves less GPU
+# time than that (it runs 1.1-1.35x pallas_triton's at head dim 128, benchmarks/HISTORY.md).
+TORCH_EAGER_MIN_WORK = 10**12
+
+
+def slower(*, head_dim=None, seq_lengths=None, score_mod=None, torch_eager_work=None,
+           **facts) -> str | None:
     """Why the default choice passes this forward over for a call it supports: where
     benchmarks/bench_mosaic_selection.py finds pallas_triton's forward faster (bf16: head dim
     64 below 4096 queries without a score_mod; this forward leads everywhere else; numbers in
-    benchmarks/HISTORY.md)."""
+    benchmarks/HISTORY.md), and for an eager torch op call (`torch_eager_work`: its work) too
+    small to repay going through JAX."""
     if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
         return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
                 "score_mod (measured 0.94-0.98x).")
+    if torch_eager_work is not None and torch_eager_work < TORCH_EAGER_MIN_WORK:
+        return ("an eager torch call launches pallas_triton's forward without JAX's dispatch, "
+                "which saves more host time than this forward saves GPU time below "
+                f"{TORCH_EAGER_MIN_WORK:.0e} attention FLOPs.")
     return None
 
 
