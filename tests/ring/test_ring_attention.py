@@ -113,8 +113,10 @@ def _score_mod_of(table):
     return lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + L - 1]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("mask", list(MASKS))
+# Every mask, and causal (the most pairs skipped and cut) in both layouts.
+@pytest.mark.parametrize("mask, layout", [("causal", "contiguous"), ("causal", "zigzag"),
+                                          ("sliding", "contiguous"), ("document", "zigzag"),
+                                          ("full", "zigzag")])
 def test_gradients_of_q_k_v_and_a_learnable_table(layout, mask):
     n = 4
     rng = np.random.default_rng(7)
@@ -246,8 +248,8 @@ def test_zigzag_round_trip_and_errors():
         _ring(2, None, None, "contiguous")(jnp.ones((1, 1, L, E)), *(jnp.ones((1, 1, 128, E)),) * 2)
 
 
-@pytest.mark.parametrize("n", [1, 4])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+# (on one device the zigzag layout is the contiguous one)
+@pytest.mark.parametrize("n, layout", [(1, "contiguous"), (4, "contiguous"), (4, "zigzag")])
 @pytest.mark.parametrize("mask", ["causal", "document"])
 def test_a_whole_sequence_block_mask_equals_its_mask_mod(n, layout, mask):
     """Pairs cut from a BlockMask of the whole sequence (on one device, the whole of it): the
