@@ -79,6 +79,8 @@ def test_the_environment_variable_applies_where_the_call_is_supported(
     # an eager torch call launches pallas_triton's forward itself: worth it on small work
     (dict(torch_eager_work=10**11), "pallas_triton"),
     (dict(torch_eager_work=10**13), MOSAIC),
+    (dict(head_dim=64, value_dim=64, seq_lengths=(4096, 4096), score_mod=True,
+          torch_eager_work=5 * 10**11), MOSAIC),  # where Mosaic leads by 1.4-1.5x
 ])
 def test_hopper_defaults_to_mosaic_where_measured_faster(as_if_on_hopper, facts, chosen):
     """The default choice (jattn's calls and the torch ops alike) takes the Mosaic forward
