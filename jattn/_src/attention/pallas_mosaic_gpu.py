@@ -90,8 +90,9 @@ def slower(*, head_dim=None, seq_lengths=None, score_mod=None, torch_eager_work=
     if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
         return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
                 "score_mod (measured 0.94-0.98x).")
-    least = TORCH_EAGER_MIN_WORK // (4 if score_mod and head_dim is not None and head_dim <= 64
-                                     else 1)
+    least = TORCH_EAGER_MIN_WORK
+    if score_mod and head_dim is not None and head_dim <= 64:
+        least //= 4
     if torch_eager_work is not None and torch_eager_work < least:
         return ("an eager torch call launches pallas_triton's forward without JAX's dispatch, "
                 "which saves more host time than this forward saves GPU time below "
