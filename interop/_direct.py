@@ -99,10 +99,14 @@ def _run(program: KernelProgram, tensors: Sequence[Tensor], index: int) -> list[
     loaded on another GPU or torch computed an equation in another dtype than JAX would."""
     device = tensors[0].device
     slots: list = [*tensors, *[None] * (program.slots - len(tensors))]
+    # slot -> its tensor's address, once the tensor is known contiguous and aligned: each is
+    # checked once per call, however many kernels read it (a backward's kernels each read q,
+    # k and v)
+    addresses: list = [None] * program.slots
     for step in program.steps:
-        operands = [slots[i] if type(i) is int else i.value for i in step.inputs]
         launch = step.launch
         if launch is None:
+            operands = [slots[i] if type(i) is int else i.value for i in step.inputs]
             [(shape, dtype)] = step.avals
             dtype = _TORCH_DTYPES[dtype]
             value = _RULES[step.name](operands, step.params, device, shape, dtype)
@@ -111,17 +115,28 @@ def _run(program: KernelProgram, tensors: Sequence[Tensor], index: int) -> list[
             slots[step.outputs[0]] = value
             continue
         alignment = launch.alignment
-        for position, (slot, t) in enumerate(zip(step.inputs, operands)):
-            if not t.is_contiguous() or t.data_ptr() % alignment:  # copied once per call
-                operands[position] = t = t.clone(memory_format=torch.contiguous_format)
-                if type(slot) is int:
-                    slots[slot] = t
+        operands = []
+        for i in step.inputs:
+            if type(i) is not int:  # a constant array, moved to the device contiguous
+                operands.append(i.value.data_ptr())
+                continue
+            address = addresses[i]
+            if address is None or address % alignment:
+                t = slots[i]
+                address = t.data_ptr()
+                if address % alignment or not t.is_contiguous():  # copied once per call
+                    t = slots[i] = t.clone(memory_format=torch.contiguous_format)
+                    address = t.data_ptr()
+                addresses[i] = address
+            operands.append(address)
         outputs = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
                    for shape, dtype in launch.outputs]
-        if not launch([t.data_ptr() for t in operands], [out.data_ptr() for out in outputs],
-                      _current_stream(index), index):
+        results = [out.data_ptr() for out in outputs]
+        if not launch(operands, results, _current_stream(index), index):
             return None  # the kernel is loaded on another GPU
-        slots[step.outputs[0]:step.outputs[-1] + 1] = outputs
+        first = step.outputs[0]
+        slots[first:first + len(outputs)] = outputs
+        addresses[first:first + len(outputs)] = results  # fresh from the allocator: contiguous
     return [slots[i] for i in program.results]
 
 

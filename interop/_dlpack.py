@@ -25,6 +25,7 @@ not be part of the key.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import functools
@@ -73,6 +74,18 @@ _VIEWS: dict[int, tuple] = {}
 
 
 bridge.register_cache("torch.views", _VIEWS.clear)
+
+
+@atexit.register
+def _keep_views_past_exit() -> None:
+    """Holds the cached views for good once the program exits. A view released while an XLA
+    computation still reads it is freed later by one of XLA's threads, which then takes the
+    GIL to free the Python object torch keeps for the view's tensor (seen on the CPU: a
+    weakref callback on that object runs on XLA's thread). During interpreter finalization
+    Python ends such a thread inside C++ frames that cannot unwind: the process aborts
+    ("terminate called without an active exception"). Views never released are never freed
+    then; the exit returns their memory."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object([entry[1] for entry in _VIEWS.values()]))
 
 
 @functools.cache  # on every import: look the device up once

@@ -6,6 +6,8 @@ from jattn._src import source_checkout as _source_checkout
 from jattn._src.attention.api import flex_attention as flex_attention
 from jattn._src.attention.config import AttentionConfig as AttentionConfig
 from jattn._src.attention.dot_product import dot_product_attention as dot_product_attention
+from jattn._src.attention.flax_signature import (
+    flax_dot_product_attention as flax_dot_product_attention)
 from jattn._src.decoding.api import flex_decode as flex_decode
 from jattn._src.attention.split_kv_config import DecodeConfig as DecodeConfig
 from jattn._src.backends import explain as explain
@@ -31,10 +33,10 @@ from jattn._src.ring.layout import to_zigzag as to_zigzag
 
 __all__ = ["AttentionConfig", "B2BConfig", "BlockMask", "DecodeConfig", "MatmulConfig",
            "PagedKVCache", "b2b_matmul", "bmm", "clear_caches", "create_block_mask", "create_mask",
-           "dequantize_weight", "dot_product_attention", "explain", "flex_attention", "flex_decode",
-           "from_zigzag", "masks", "matmul", "mixed_matmul", "mm_plus_mm", "mods",
-           "quantize_weight", "ring_flex_attention", "scaled_matmul", "sharded_flex_attention",
-           "to_zigzag"]
+           "dequantize_weight", "dot_product_attention", "explain", "flax_dot_product_attention",
+           "flex_attention", "flex_decode", "from_zigzag", "masks", "matmul", "mixed_matmul",
+           "mm_plus_mm", "mods", "quantize_weight", "ring_flex_attention", "scaled_matmul",
+           "sharded_flex_attention", "to_zigzag"]
 
 __version__ = "0.1.0"
 

@@ -43,3 +43,42 @@ def test_a_program_with_an_equation_torch_does_not_evaluate_goes_through_jax():
     integers = jax.ShapeDtypeStruct((4,), jnp.int32)  # torch's integer sums widen to int64
     assert launch.kernel_program(jnp.sum, integers, evaluable=_direct._evaluable) is None
     assert launch.kernel_program(jnp.sum, x, evaluable=_direct._evaluable) is not None
+
+
+class _RecordedLaunch:
+    """A kernel's stand-in: records the addresses it is given, writes nothing."""
+
+    def __init__(self, alignment, outputs):
+        self.alignment, self.outputs, self.calls = alignment, outputs, []
+
+    def __call__(self, operands, outputs, stream, device):
+        self.calls.append(list(operands))
+        return True
+
+
+def test_each_tensor_is_checked_and_copied_once_however_many_kernels_read_it(monkeypatch):
+    """Two kernels read a contiguous tensor, a strided one, one at an odd address and a
+    broadcast equation's result: the contiguous one is read in place, each other one is
+    copied once (both kernels get the same copy), and the first kernel's output is read in
+    place by the second."""
+    monkeypatch.setattr(_direct, "_current_stream", lambda index: 0)
+    f32 = np.dtype(np.float32)
+    first = _RecordedLaunch(16, [((4, 4), f32)])
+    second = _RecordedLaunch(16, [((4, 4), f32)])
+    program = launch.KernelProgram(steps=(
+        launch.Step((2,), (3,), name="broadcast_in_dim",
+                    params={"broadcast_dimensions": (1,), "shape": (4, 4)},
+                    avals=(((4, 4), f32),)),
+        launch.Step((0, 1, 2, 3), (4,), first),
+        launch.Step((0, 1, 2, 3, 4), (5,), second),
+    ), results=(4, 5), slots=6)
+    contiguous = torch.randn(4, 4)
+    strided = torch.randn(4, 4).t()
+    odd = torch.zeros(4 * 4 + 1)[1:]
+    got = _direct._run(program, [contiguous, strided, odd[:4]], index=0)
+    [a, b] = first.calls + second.calls
+    assert a[0] == b[0] == contiguous.data_ptr()
+    assert a[1] == b[1] != strided.data_ptr()  # one copy, read by both
+    assert a[2] == b[2] != odd.data_ptr() and a[2] % 16 == 0
+    assert a[3] == b[3]  # the expanded row, copied once
+    assert b[4] == got[0].data_ptr() and got[0].is_contiguous()

@@ -23,7 +23,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None,
                           implementation: str | None = None, return_residual: bool = False,
-                          block_size: int = 128):
+                          block_size: int = 128, precision=None):
     """`jax.nn.dot_product_attention` computed by `jattn.flex_attention`.
 
     Args:
@@ -40,6 +40,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
       implementation: a jattn implementation ("pallas_triton", "pallas_mosaic_gpu", "xla",
         "interpret"; None: jattn's choice), not jax's names.
       block_size: the BlockMask's block when a mask applies.
+      precision: float32 products, as `jattn.flex_attention`'s (None: the caller's setting).
 
     Returns:
       [B, T, N, H] like query (with return_residual also the natural-log LSE [B, T, N]). One
@@ -101,7 +102,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         lambda score, b, h, q_idx, kv_idx: score + _read(bias, b, h, q_idx, kv_idx))
     out, lse = flex_attention(*(jnp.swapaxes(x, 1, 2) for x in (query, key, value)), score_mod,
                               block_mask, scale=scale, enable_gqa=N != key.shape[2],
-                              return_lse=True, implementation=implementation)
+                              return_lse=True, implementation=implementation,
+                              precision=precision)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
     if not batched:
         out, lse = out[0], lse[0]
