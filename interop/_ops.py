@@ -206,13 +206,14 @@ def decode_config(text: str | None) -> tuple[jattn.AttentionConfig | None, str |
 
 
 @functools.lru_cache(maxsize=256)  # bounded: mods re-translated after a changed scalar add keys
-def _flex_program(return_lse: bool, **static) -> Callable:
+def _flex_program(return_lse: bool, max_scores: bool = False, **static) -> Callable:
     """The jitted forward for one set of static options (bound, not passed per call: cheaper
-    to dispatch): (q, k, v, mask_arrays, captures) -> out, or (out, lse) with return_lse;
-    mask_arrays: the kv-major lists."""
+    to dispatch): (q, k, v, mask_arrays, captures) -> out, or (out, lse) with return_lse, then
+    the rows' largest scores with max_scores; mask_arrays: the kv-major lists."""
     def forward(q, k, v, mask_arrays, captures):
         return _flex_call(bridge.flex_attention, True, **static)(
-            q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=return_lse)
+            q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=return_lse,
+            return_max_scores=max_scores)
     return jax.jit(forward)
 
 
@@ -298,15 +299,17 @@ _FORWARD_TENSORS = ("q", "k", "v")
 _BACKWARD_TENSORS = ("d_out", "d_lse", "q", "k", "v", "out", "lse")
 
 
-def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static):
-    """jattn::flex_attention's (out, lse) as JAX arrays, and the tensors' device."""
+def _flex_forward_arrays(q, k, v, mask_tensors, captures, *static, max_scores: bool = False):
+    """jattn::flex_attention's (out, lse), with max_scores also the rows' largest scores, as
+    JAX arrays, and the tensors' device."""
     device, qkv, lists, capture_arrays = ready_op_views(
         "flex_attention", _FORWARD_TENSORS, (q, k, v), mask_tensors, captures,
         kv_only=True)
-    options = _flex_static(device, flex_facts(qkv[0], qkv[2], static[0], capture_arrays),
-                           *static)
-    out, lse = run(_flex_program(True, **options), device, *qkv, lists, capture_arrays)
-    return out, lse, device
+    facts = flex_facts(qkv[0], qkv[2], static[0], capture_arrays)
+    options = _flex_static(device, {**facts, "max_scores": max_scores}, *static)
+    results = run(_flex_program(True, max_scores, **options), device, *qkv, lists,
+                  capture_arrays)
+    return *results, device
 
 
 def _flex_forward(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
@@ -365,8 +368,24 @@ def _backward_program(differentiated: tuple[bool, ...] | None, **static) -> Call
     return jax.jit(functools.partial(_flex_backward, differentiated=differentiated, **static))
 
 
+def _flex_forward_max(q: Tensor, k: Tensor, v: Tensor, mask_tensors: list[Tensor],
+                      captures: list[Tensor], mods: str, block_size: list[int],
+                      seq_lengths: list[int], scale: Optional[float], enable_gqa: bool,
+                      implementation: Optional[str],
+                      config: Optional[str]) -> tuple[Tensor, Tensor, Tensor]:
+    """jattn::flex_attention's (out, lse) and each row's largest score (torch's
+    AuxRequest(max_scores=True))."""
+    with x64_scope(q):
+        *results, device = _flex_forward_arrays(q, k, v, mask_tensors, captures, mods,
+                                                block_size, seq_lengths, scale, enable_gqa,
+                                                implementation, config, max_scores=True)
+        return tuple(to_torch(x, device) for x in results)
+
+
 flex_attention = torch.library.custom_op("jattn::flex_attention", mutates_args=())(
     _flex_forward)
+flex_attention_max_scores = torch.library.custom_op(
+    "jattn::flex_attention_max_scores", mutates_args=())(_flex_forward_max)
 flex_attention_backward = torch.library.custom_op("jattn::flex_attention_backward",
                                                   mutates_args=())(_flex_backward_op)
 
@@ -375,6 +394,12 @@ flex_attention_backward = torch.library.custom_op("jattn::flex_attention_backwar
 def _flex_fake(q, k, v, mask_tensors, captures, *static):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@flex_attention_max_scores.register_fake
+def _flex_max_fake(q, k, v, mask_tensors, captures, *static):
+    return (*_flex_fake(q, k, v, mask_tensors, captures, *static),
+            q.new_empty(q.shape[:-1], dtype=torch.float32))
 
 
 @flex_attention_backward.register_fake
@@ -405,6 +430,16 @@ def _flex_autograd(ctx, d_out, d_lse):
 
 
 flex_attention.register_autograd(_flex_autograd, setup_context=_flex_setup_context)
+
+
+def _flex_max_setup_context(ctx, inputs, output):
+    _flex_setup_context(ctx, inputs, output[:2])
+    ctx.mark_non_differentiable(output[2])  # the largest scores
+
+
+flex_attention_max_scores.register_autograd(
+    lambda ctx, d_out, d_lse, d_max: _flex_autograd(ctx, d_out, d_lse),
+    setup_context=_flex_max_setup_context)
 
 
 class _EagerFlex(torch.autograd.Function):

@@ -233,20 +233,18 @@ def _block_mask_mod(block_mask):
     return block_mask.mask_mod
 
 
-def _lse_request(return_lse: bool, return_aux) -> bool:
-    """Whether the caller wants the LSE, from torch's two ways of asking for it."""
+def _aux_request(return_lse: bool, return_aux) -> tuple[bool, bool]:
+    """Whether the caller wants the LSE (from torch's two ways of asking for it) and the rows'
+    largest scores."""
     if return_aux is None:
-        return bool(return_lse)
+        return bool(return_lse), False
     if return_lse:
         raise ValueError("flex_attention: pass return_lse or return_aux, not both (torch "
                          "deprecates return_lse; use return_aux=AuxRequest(lse=True)).")
     if not isinstance(return_aux, _flex.AuxRequest):
         raise TypeError(f"flex_attention: `return_aux` must be an AuxRequest, got "
                         f"{type(return_aux).__name__}.")
-    if return_aux.max_scores:
-        raise NotImplementedError("flex_attention: AuxRequest(max_scores=True) is not "
-                                  "supported by jattn; request lse only.")
-    return return_aux.lse
+    return bool(return_aux.lse), bool(return_aux.max_scores)
 
 
 # torch's kernel_options -> AttentionConfig fields. torch's backward has a tile per kernel (M1 x
@@ -329,19 +327,21 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     query [B, Hq, L, E], key [B|1, Hkv, S, E], value [B|1, Hkv, S, Ev] on one device, any of
     bfloat16, float16, float32 and float64: key and value are cast to query's dtype and the
-    output has it (float64 is computed in float64, on the CPU). score_mod `f(score, b, h, q_idx, kv_idx)`
-    and the block mask's mask_mod `f(b, h, q_idx, kv_idx)` are torch-written (any callable:
-    function, lambda, bound method, functools.partial, nn.Module) or JAX functions such as
-    `jattn.mods`. What a torch mod reads is re-read on every call: tensors it closes over are
-    passed to the kernels (and get gradients), a changed Python value re-translates it (see
-    the README). block_mask is a torch BlockMask (`create_block_mask` below, or torch's).
+    output has it (float64 is computed in float64, on the CPU). score_mod
+    `f(score, b, h, q_idx, kv_idx)` and the block mask's mask_mod `f(b, h, q_idx, kv_idx)` are
+    torch-written (any callable: function, lambda, bound method, functools.partial,
+    nn.Module) or JAX functions such as `jattn.mods`. What a torch mod reads is re-read on
+    every call: tensors it closes over are passed to the kernels (and get gradients), a
+    changed Python value re-translates it (see the README). block_mask is a torch BlockMask
+    (`create_block_mask` below, or torch's).
     kernel_options: BLOCK_M/BLOCK_N (forward tile), BLOCK_M1/N1/M2/N2 (jattn's one backward
     tile), num_warps/num_stages (fwd_/bwd_ prefixed too) become a `jattn.AttentionConfig`,
     its other fields at their defaults; other keys are ignored.
     Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True also the
-    float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=True) torch's
-    AuxOutput. In eager mode on CUDA, a forward that is one kernel compiled by the `triton`
-    package is launched on torch's current stream without going through JAX (README).
+    float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=..., max_scores=...)
+    torch's AuxOutput (max_scores: each row's largest score, float32 [B, Hq, L]). In eager
+    mode on CUDA, a forward that is one kernel compiled by the `triton` package is launched
+    on torch's current stream without going through JAX (README).
     sinks (a jattn addition to torch's signature): attention sinks, one logit per query head
     [Hq], as in `jattn.flex_attention`; a tensor that requires grad gets its gradient, and
     the LSE returned includes them.
@@ -362,7 +362,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                     kernel_options, return_aux, implementation, sinks=None):
-    want_lse = _lse_request(return_lse, return_aux)
+    want_lse, want_max = _aux_request(return_lse, return_aux)
     _check_sinks(sinks, query)
     original, dtype = query, _compute_dtype(query)
     config = _config(kernel_options, dtype)
@@ -370,7 +370,18 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                          else x for x in (query, key, value))
     L, S = query.shape[-2], key.shape[-2]
     mask_mod = _block_mask_mod(block_mask)
-    if torch.compiler.is_compiling():
+    largest = None
+    if want_max:  # the op that also returns them, eager or compiled
+        mask_tensors, block_size = [], [128, 128]
+        if block_mask is not None:
+            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
+        compiling = torch.compiler.is_compiling()
+        mods, captures = (_ops.traced_mods if compiling else _ops.capture_mods)(score_mod,
+                                                                                mask_mod)
+        out, lse, largest = _ops.flex_attention_max_scores(
+            query, key, value, mask_tensors, list(captures), mods, block_size, [L, S], scale,
+            enable_gqa, implementation, config)
+    elif torch.compiler.is_compiling():
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
             mask_tensors, block_size = _mask_tensors(block_mask, L, S)
@@ -388,7 +399,7 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if out.dtype != original.dtype:
         out = out.to(original.dtype)
     if return_aux is not None:
-        return out, _flex.AuxOutput(lse=lse if want_lse else None)
+        return out, _flex.AuxOutput(lse=lse if want_lse else None, max_scores=largest)
     return (out, lse) if want_lse else out
 
 

@@ -44,12 +44,14 @@ def test_forward_and_backward_lower(as_if_on_gpu, E, Ev, ragged):
 
 
 def test_softcap_alibi_full_attention_lowers(as_if_on_gpu):
+    """(with the rows' largest scores as a third output)"""
     slopes = jattn.mods.alibi_slopes(16)
 
     def attention(q, k, v):
         mod = lambda s, b, h, qi, ki: jattn.mods.softcap(30.0)(
             jattn.mods.alibi(slopes)(s, b, h, qi, ki), b, h, qi, ki)
-        return jattn.flex_attention(q, k, v, mod, implementation="pallas_triton")
+        return jattn.flex_attention(q, k, v, mod, implementation="pallas_triton",
+                                    return_max_scores=True)
 
     args = [_spec(1, 16, 512, 64, dtype=jnp.float16)] * 3
     assert "jattn_flex_fwd" in lower_for_cuda(attention, *args)

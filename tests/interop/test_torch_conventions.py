@@ -38,6 +38,38 @@ def test_positional_arguments_in_torchs_order():
     _close(lse, expected_lse)
 
 
+def test_max_scores_agree_with_torchs_and_leave_gradients_alone():
+    """AuxRequest(max_scores=True) with a score_mod and a mask, eagerly and compiled: the
+    largest modded scores in float64 (-inf for rows attending to nothing; torch's CPU flex
+    does not return them), torch's LSE, and out's gradients unchanged."""
+    q, k, v = _qkv(requires_grad=True)
+    late = lambda b, h, q_idx, kv_idx: (q_idx >= 8) & (kv_idx <= q_idx)  # noqa: E731
+    mask = jt.create_block_mask(late, None, None, L, L, "cpu", 32)
+    bias = lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx)  # noqa: E731
+    request = flex.AuxRequest(lse=True, max_scores=True)
+    _, expected_lse = torch_flex(q.double(), k.double(), v.double(), bias, late,
+                                 return_lse=True)
+    positions = torch.arange(L)
+    scores = bias(q.double() @ k.double().repeat_interleave(HQ // HKV, 1).transpose(-1, -2)
+                  / E ** 0.5, None, None, positions[:, None], positions[None, :])
+    expected_max = scores.masked_fill(~late(None, None, positions[:, None], positions[None, :]),
+                                      -torch.inf).amax(-1).detach()
+    cotangent = torch.randn(B, HQ, L, E)
+    grads = {}
+    for name, call in (("eager", jt.flex_attention),
+                       ("compiled", torch.compile(jt.flex_attention, fullgraph=True))):
+        out, aux = call(q, k, v, bias, mask, enable_gqa=True, return_aux=request)
+        assert not aux.max_scores.requires_grad and aux.max_scores.dtype == torch.float32
+        assert torch.isneginf(aux.max_scores[:, :, :8]).all()
+        _close(aux.max_scores[:, :, 8:], expected_max[:, :, 8:].float())
+        _close(aux.lse[:, :, 8:], expected_lse[:, :, 8:].float())
+        grads[name] = torch.autograd.grad(out, (q, k, v), cotangent)
+    plain = jt.flex_attention(q, k, v, bias, mask, enable_gqa=True)
+    for want, got_eager, got_compiled in zip(torch.autograd.grad(plain, (q, k, v), cotangent),
+                                             grads["eager"], grads["compiled"]):
+        assert torch.equal(got_eager, want) and torch.equal(got_compiled, want)
+
+
 def test_return_aux_gives_torchs_aux_output():
     q, k, v = _qkv()
     out, aux = jt.flex_attention(q, k, v, enable_gqa=True,
@@ -51,9 +83,6 @@ def test_return_aux_gives_torchs_aux_output():
     with pytest.raises(ValueError, match="return_lse or return_aux, not both"):
         jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True,
                           return_aux=flex.AuxRequest(lse=True))
-    with pytest.raises(NotImplementedError, match="max_scores"):
-        jt.flex_attention(q, k, v, enable_gqa=True,
-                          return_aux=flex.AuxRequest(max_scores=True))
     with pytest.raises(TypeError, match="kernel_options"):
         jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=64)
 

@@ -156,9 +156,9 @@ def _flex_fwd(p: Problem, q, k, v, lists, score_caps, mask_caps):
     q, k, v, lists, score_caps, mask_caps = custom_vjp_primal_tree_values(
         (q, k, v, lists, score_caps, mask_caps))
     with precision.applied(p.precision):
-        out, lse = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
-    return (out, lse), Residuals(q, k, v, lists, score_caps, mask_caps, out, lse,
-                                 differentiated)
+        outputs = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
+    out, lse = outputs[:2]  # (then, with p.max_scores, the rows' largest scores: no gradient)
+    return outputs, Residuals(q, k, v, lists, score_caps, mask_caps, out, lse, differentiated)
 
 
 def _dense_zeros(cotangent):
@@ -168,7 +168,7 @@ def _dense_zeros(cotangent):
 
 
 def _flex_bwd(p: Problem, res: Residuals, cotangents):
-    d_out, d_lse = (_dense_zeros(c) for c in cotangents)
+    d_out, d_lse = (_dense_zeros(c) for c in cotangents[:2])
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
         dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
                                                               d_lse.astype(res.lse.dtype))
@@ -215,7 +215,7 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    scale: float | None = None, enable_gqa: bool = False,
                    return_lse: bool = False, config: AttentionConfig | None = None,
                    implementation: str | None = None, precision: str | None = None,
-                   sinks: jax.Array | None = None):
+                   sinks: jax.Array | None = None, return_max_scores: bool = False):
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
@@ -242,13 +242,19 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       sinks: attention sinks, one logit per query head [Hq] (float32, learnable: it gets a
         gradient): each row's softmax counts exp(sinks[h]) in its denominator as a key no
         value belongs to (gpt-oss, StreamingLLM); the LSE returned includes it.
+      return_max_scores: also return each row's largest score (after scale and score_mod,
+        among the keys it attends to; torch's AuxRequest(max_scores=True)), as for monitoring
+        or clipping logits. Not differentiated. The pallas_mosaic_gpu forward does not keep
+        it: such a call runs on pallas_triton.
 
     Returns:
-      out [B, Hq, L, Ev] of q's dtype, and with return_lse the float32 LSE [B, Hq, L] (float64
-      for float64 inputs). A query that attends to nothing (S = 0 included) gives 0 and LSE
-      -inf; B = 0 or L = 0 give empty results. A key a query never reads (outside its blocks)
-      cannot affect it, NaN included. Differentiable in q, k, v, captured arrays of score_mod
-      and (through its cotangent) the LSE.
+      out [B, Hq, L, Ev] of q's dtype; with return_lse also the float32 LSE [B, Hq, L] (float64
+      for float64 inputs); with return_max_scores also the largest scores [B, Hq, L] (the
+      LSE's dtype; -inf where a row attends to nothing), after the LSE when both are asked.
+      A query that attends to nothing (S = 0 included) gives 0 and LSE -inf; B = 0 or L = 0
+      give empty results. A key a query never reads (outside its blocks) cannot affect it,
+      NaN included. Differentiable in q, k, v, captured arrays of score_mod and (through its
+      cotangent) the LSE.
 
     Example::
 
@@ -270,31 +276,38 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                           enable_gqa=enable_gqa,
                                           return_lse=return_lse or sinks is not None,
                                           config=config, implementation=implementation,
-                                          precision=precision)
+                                          precision=precision,
+                                          return_max_scores=return_max_scores)
     if sinks is None:
         return result
-    out, lse = with_sinks(*result, sinks)
-    return (out, lse) if return_lse else out
+    out, lse, *largest = result  # (the sinks are not keys: the largest scores stand)
+    out, lse = with_sinks(out, lse, sinks)
+    extra = ((lse,) if return_lse else ()) + tuple(largest)
+    return (out, *extra) if extra else out
 
 
 def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  score_captures=(), mask_captures=(), scale=None,
                                  enable_gqa=False, return_lse=False, config=None,
-                                 implementation=None, precision=None):
+                                 implementation=None, precision=None, return_max_scores=False):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does."""
     if not (isinstance(q, jax.Array) and isinstance(k, jax.Array) and isinstance(v, jax.Array)):
         q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
+    max_scores = bool(return_max_scores)
     empty = _empty_result(q, k, v)
     if empty is not None:
         out, lse = empty
+        largest = lse  # (-inf: nothing attended)
     else:
         program, lists, score_caps, mask_caps = _prepare(
             q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-            (score_captures, mask_captures))
-        out, lse = program.forward(q, k, v, lists, score_caps, mask_caps)
-    return (out, lse) if return_lse else out
+            (score_captures, mask_captures), max_scores=max_scores)
+        out, lse, *largest = program.forward(q, k, v, lists, score_caps, mask_caps)
+        largest = largest[0] if largest else None
+    extra = ((lse,) if return_lse else ()) + ((largest,) if max_scores else ())
+    return (out, *extra) if extra else out
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
@@ -352,17 +365,18 @@ def _compute_dtype(dtype) -> Any:
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
-             precision_name, known_captures=((), ())):
+             precision_name, known_captures=((), ()), *, max_scores: bool = False):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
     arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
     replays that call's plan without tracing; otherwise `_traced_program`. known_captures:
-    arrays the caller knows score_mod and mask_mod read, given the first slots.
+    arrays the caller knows score_mod and mask_mod read, given the first slots. max_scores:
+    the program's forward also returns the rows' largest scores.
     """
     scale, precision_name = _canonical_options(q, config, scale, precision_name)
     dense = block_mask is None
     state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
     key = _plan_key(q, k, v, state, known_captures, block_mask, scale, enable_gqa, config,
-                    implementation, precision_name)
+                    implementation, precision_name, max_scores)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
         return plan.replayed(block_mask, state)
@@ -370,7 +384,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         block_mask = _full_block_mask(q.shape[2], k.shape[2])
     program, score_caps, mask_caps = _traced_program(
         q, k, v, score_mod, block_mask, dense, scale, config, implementation, precision_name,
-        known_captures)
+        known_captures, max_scores)
     lists = block_mask.lists()
     if key is not None:
         _remember_plan(key, program, state, score_caps, mask_caps, lists if dense else None)
@@ -439,7 +453,7 @@ def _static_fields(block_mask: BlockMask) -> tuple:
 
 
 def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implementation,
-                    precision_name, known_captures):
+                    precision_name, known_captures, max_scores):
     """The slow path: (program, score captures, mask captures) of a call, its mods traced."""
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     if score_mod is not None and returns_its_score(score_mod, _compute_dtype(q.dtype)):
@@ -463,9 +477,10 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
                                                mod_keys, (L, S)),
-        varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures))
+        varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures),
+        max_scores=max_scores)
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
-           dense, block_mask.block_size, block_mask.shape, lists.has_full, *mod_keys)
+           dense, block_mask.block_size, block_mask.shape, lists.has_full, max_scores, *mod_keys)
     program = _PROGRAMS.get(key)
     if program is None:
         found = len(score_set.captures), len(mask_set.captures)
@@ -474,7 +489,8 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
                           mask_block=block_mask.block_size, scale=scale,
                           precision=precision_name, implementation=implementation,
                           config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods,
-                          dense=dense, compute_dtype=_compute_dtype(q.dtype))
+                          dense=dense, compute_dtype=_compute_dtype(q.dtype),
+                          max_scores=max_scores)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, config=config)

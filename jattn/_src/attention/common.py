@@ -63,6 +63,7 @@ class Problem:
     decode: Any = None  # a decoding DecodeProblem when the forward runs the decode kernel
     dense: bool = False  # no BlockMask was given: every query block attends to every kv block
     compute_dtype: Any = jnp.float32  # scores, softmax and LSE: float64 for float64 inputs
+    max_scores: bool = False  # the forward also returns each row's largest score
 
     @property
     def groups(self) -> int:

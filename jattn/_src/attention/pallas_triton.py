@@ -34,7 +34,7 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
                                 ("dkdv", resolved.bwd_block_q, resolved.bwd_block_k,
                                  {"transposed": True}))}
     decode = None
-    if p.L <= MAX_DECODE_QUERIES:
+    if p.L <= MAX_DECODE_QUERIES and not p.max_scores:  # (the split-KV kernel keeps no max)
         decode = make_problem(
             B=p.B, Hq=p.Hq, Hkv=p.Hkv, Lq=p.L, S=p.S, E=p.E, Ev=p.Ev, kv_batch=p.kv_batch,
             page_size=None, num_pages=None, block_mask=None if p.dense else block_mask,
@@ -45,7 +45,7 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
 
 
 def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
-    """(out, lse) as the XLA forward's."""
+    """(out, lse), with p.max_scores (out, lse, max_scores), as the XLA forward's."""
     if p.decode is not None:
         mask = lists if p.decode.has_mask else None
         return pallas_triton_split_kv.attention_forward(p.decode, q, k, v, mask, score_caps,

@@ -26,7 +26,8 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     list_refs = refs[3:3 + n_lists]
     score_refs = refs[3 + n_lists:3 + n_lists + n_score]
     mask_refs = refs[3 + n_lists + n_score:3 + n_lists + n_score + n_mask]
-    out_ref, lse_ref = refs[-2:]
+    out_ref, lse_ref = refs[3 + n_lists + n_score + n_mask:][:2]
+    max_ref = refs[-1] if p.max_scores else None
     bq, bk = p.config.block_q, p.config.block_k
     mask_bk = p.mask_block[1]
 
@@ -61,10 +62,14 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     tiles.store_tile(out_ref, (slice(None),), out.astype(out_ref.dtype), q0, p.L, p.Ev)
     rows = tiles.bounds(q0, bq, p.L, 0) if p.L % bq else None
     tiles.store(lse_ref, slice(None), lse, None if rows is None else rows[:, 0])
+    if max_ref is not None:  # m_i: the row's largest score, in base-2 units
+        largest = jnp.where(l_i == 0, -jnp.inf, m_i / LOG2_E)
+        tiles.store(max_ref, slice(None), largest, None if rows is None else rows[:, 0])
 
 
 def forward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps):
-    """(out [B, Hq, L, Ev], lse [B, Hq, L] float32 natural log)."""
+    """(out [B, Hq, L, Ev], lse [B, Hq, L] float32 natural log), and with p.max_scores each
+    row's largest score [B, Hq, L] float32."""
     bq = p.config.block_q
     q, k, v, lists, score_caps, mask_caps = aligned(q, k, v, masks.major("kv"), score_caps,
                                                     mask_caps)
@@ -83,14 +88,15 @@ def forward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps):
     in_specs += [tiles.whole(x) for x in (*lists, *score_caps, *mask_caps)]
     kernel = functools.partial(_fwd_kernel, p=p, n_lists=len(lists), n_score=len(score_caps),
                                n_mask=len(mask_caps))
+    rows = 2 if p.max_scores else 1  # per-row outputs: the LSE, and the largest scores
     return pl.pallas_call(
         kernel,
         grid=(tiles.cdiv(p.L, bq), p.B * p.Hq),
         in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, bq, ev_pad), q_index),
-                   pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3])],
+                   *[pl.BlockSpec((None, None, bq), lambda i, bh: q_index(i, bh)[:3])] * rows],
         out_shape=[out_struct((p.B, p.Hq, p.L, p.Ev), q.dtype, q),
-                   out_struct((p.B, p.Hq, p.L), jnp.float32, q)],
+                   *[out_struct((p.B, p.Hq, p.L), jnp.float32, q)] * rows],
         compiler_params=compiler_params(p.config.num_warps, p.config.num_stages,
                                         compiler=p.config.compiler),
         interpret=p.interpret,

@@ -117,7 +117,8 @@ def _zeros(shape, dtype, *inputs) -> jax.Array:
 
 def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],
             mask_captures: Sequence[Any]):
-    """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] of p.compute_dtype, natural log)."""
+    """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] of p.compute_dtype, natural log), and
+    with p.max_scores each row's largest score [B, Hq, L] (-inf where it attends to nothing)."""
     qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
     shape = (p.B, p.Hkv, p.groups, p.L)
 
@@ -147,6 +148,8 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
     l_safe = jnp.where(l == 0, 1.0, l)
     out = (acc / l_safe[..., None]).astype(q.dtype).reshape(p.B, p.Hq, p.L, p.Ev)
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe)).reshape(p.B, p.Hq, p.L)
+    if p.max_scores:
+        return out, lse, jnp.where(l == 0, -jnp.inf, m).reshape(p.B, p.Hq, p.L)
     return out, lse
 
 
