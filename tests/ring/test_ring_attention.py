@@ -71,8 +71,9 @@ def _restore(x, n, layout):
 
 # every mask in both layouts on 8 devices, and causal (pairs skipped, work unequal) on 2; 4
 # devices: the block-mask and gradient tests below
-@pytest.mark.parametrize("n, mask", [(8, mask) for mask in MASKS] + [(2, "causal")])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("n, layout, mask", [
+    *((8, layout, mask) for layout in ("contiguous", "zigzag") for mask in MASKS),
+    (2, "contiguous", "causal")])
 def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, mask):
     rng = np.random.default_rng(n)
     Hq, Hkv = 4, 2
