@@ -165,7 +165,11 @@ def narrowed(tensor: torch.Tensor) -> torch.Tensor:
 
 def x64_scope(*tensors):
     """JAX's x64 mode where a tensor is float64 (flex_attention computes it in float64 on the
-    xla implementation), else no change."""
+    xla implementation), else no change. While torch.compile traces, no change: JAX runs
+    inside the ops then (which take the scope themselves), and Dynamo cannot trace JAX's
+    switch."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
     if any(getattr(t, "dtype", None) in (torch.float64, jnp.float64) for t in tensors):
         return jax.enable_x64(True)
     return contextlib.nullcontext()

@@ -161,7 +161,8 @@ def test_a_float32_query_with_lower_precision_keys(k_dtype):
 
 
 def test_float64_is_computed_in_float64_forward_and_backward():
-    """As torch's own float64 (CPU: jattn's xla implementation in JAX's x64 mode)."""
+    """As torch's own float64 (CPU: jattn's xla implementation in JAX's x64 mode), eagerly
+    and under torch.compile(fullgraph=True)."""
     q, k, v = _qkv(torch.float64, requires_grad=True)
     bias = torch.randn(HQ, dtype=torch.float64, generator=GEN, requires_grad=True)
 
@@ -175,6 +176,11 @@ def test_float64_is_computed_in_float64_forward_and_backward():
         ki - qi), _causal, return_lse=True)
     _close(out, expected, 1e-12)
     _close(lse, expected_lse, 1e-12)
+    compiled = torch.compile(lambda q, k, v: jt.flex_attention(
+        q, k, v, mod, mask, enable_gqa=True, return_lse=True), fullgraph=True)
+    for ours, theirs in zip(compiled(q, k, v), (out, lse)):
+        assert ours.dtype == torch.float64
+        _close(ours, theirs, 1e-12)
     cotangent = torch.randn(out.shape, dtype=torch.float64, generator=GEN)
     grads = torch.autograd.grad(out, (q, k, v, bias), cotangent)
     gold = torch.autograd.grad(dense(q, k, v, mod, _causal), (q, k, v, bias), cotangent)
