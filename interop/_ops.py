@@ -390,15 +390,15 @@ flex_attention_backward = torch.library.custom_op("jattn::flex_attention_backwar
                                                   mutates_args=())(_flex_backward_op)
 
 
+def _row_dtype(q: Tensor) -> torch.dtype:
+    """The LSE's (and the largest scores') dtype: float32, float64 for float64 inputs."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 @flex_attention.register_fake
 def _flex_fake(q, k, v, mask_tensors, captures, *static):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     return out, q.new_empty(q.shape[:-1], dtype=_row_dtype(q))
-
-
-def _row_dtype(q: Tensor) -> torch.dtype:
-    """The LSE's (and the largest scores') dtype: float32, float64 for float64 inputs."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 @flex_attention_max_scores.register_fake

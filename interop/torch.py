@@ -371,24 +371,20 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     L, S = query.shape[-2], key.shape[-2]
     mask_mod = _block_mask_mod(block_mask)
     largest = None
-    if want_max:  # the op that also returns them, eager or compiled
+    compiling = torch.compiler.is_compiling()
+    if compiling or want_max:  # the registered ops (the largest scores: eager too)
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
             mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-        compiling = torch.compiler.is_compiling()
         mods, captures = (_ops.traced_mods if compiling else _ops.capture_mods)(score_mod,
                                                                                 mask_mod)
-        out, lse, largest = _ops.flex_attention_max_scores(
-            query, key, value, mask_tensors, list(captures), mods, block_size, [L, S], scale,
-            enable_gqa, implementation, config)
-    elif torch.compiler.is_compiling():
-        mask_tensors, block_size = [], [128, 128]
-        if block_mask is not None:
-            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-        mods, captures = _ops.traced_mods(score_mod, mask_mod)
-        out, lse = _ops.traced_flex(query, key, value, mask_tensors, captures, mods,
-                                    block_size, [L, S], scale, enable_gqa, implementation,
-                                    config, return_lse=True)
+        static = (mods, block_size, [L, S], scale, enable_gqa, implementation, config)
+        if want_max:
+            out, lse, largest = _ops.flex_attention_max_scores(
+                query, key, value, mask_tensors, list(captures), *static)
+        else:
+            out, lse = _ops.traced_flex(query, key, value, mask_tensors, captures, *static,
+                                        return_lse=True)
     else:
         out, lse = _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S,
                                scale, enable_gqa, implementation, config,
