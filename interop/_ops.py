@@ -225,8 +225,6 @@ def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, diffe
     are zeros, and cost nothing."""
     if d_out is None:
         d_out = jnp.zeros_like(out)
-    if d_lse is None:
-        d_lse = jnp.zeros(lse.shape, jnp.float32)
     dq, dk, dv, d_score_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
         q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
         differentiated=differentiated)

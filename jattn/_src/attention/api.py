@@ -168,10 +168,12 @@ def _dense_zeros(cotangent):
 
 
 def _flex_bwd(p: Problem, res: Residuals, cotangents):
-    d_out, d_lse = (_dense_zeros(c) for c in cotangents[:2])
+    # an LSE nobody differentiates (the usual case) costs the backward nothing: None
+    d_out, d_lse = _dense_zeros(cotangents[0]), cotangents[1]
+    d_lse = None if d_lse is None or isinstance(d_lse, SymbolicZero) else d_lse.astype(
+        res.lse.dtype)
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
-        dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out,
-                                                              d_lse.astype(res.lse.dtype))
+        dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out, d_lse)
     dq, dk, dv = (summed_to_vary_like(d, x) for d, x in ((dq, res.q), (dk, res.k), (dv, res.v)))
     d_caps = [summed_to_vary_like(d, c) for d, c in zip(d_caps, res.score_captures)]
     return dq, dk, dv, None, tuple(d_caps), None
@@ -318,6 +320,8 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     score_captures=..., mask_captures=..., return_lse=True)` from its saved outputs (out, lse)
     and their cotangents, without running the forward again: the backward `jax.vjp` runs, of
     the forward's cached program. (The torch ops' entry point: their autograd keeps out and lse.)
+
+    d_lse may be None: the LSE's cotangent is zero (no work is spent on it).
 
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
     (zeros if score_mod does not read it), or None if it is not floating point or

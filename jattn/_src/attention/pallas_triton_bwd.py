@@ -60,15 +60,18 @@ def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, l
 # delta and the base-2 LSE
 # ------------------------------------------------------------------------------------------------
 
-def _delta_kernel(out_ref, do_ref, lse_ref, d_lse_ref, delta_ref, lse2_ref, *, p: Problem,
-                  rows: int):
+def _delta_kernel(*refs, p: Problem, rows: int):
+    # (out, d_out, lse[, d_lse]) -> (delta, lse2); no d_lse where the LSE's cotangent is zero
+    out_ref, do_ref, lse_ref, *d_lse_ref, delta_ref, lse2_ref = refs
     q0 = pl.program_id(0) * rows
     here = (slice(None),)
     out = tiles.load_tile(out_ref, here, q0, rows, p.L, p.Ev).astype(jnp.float32)
     d_out = tiles.load_tile(do_ref, here, q0, rows, p.L, p.Ev).astype(jnp.float32)
-    d_lse = tiles.load_vector(d_lse_ref, here, q0, rows, p.L)
     lse = tiles.load_vector(lse_ref, here, q0, rows, p.L)
-    tiles.store_vector(delta_ref, here, jnp.sum(out * d_out, axis=1) - d_lse, q0, p.L)
+    delta = jnp.sum(out * d_out, axis=1)
+    for ref in d_lse_ref:
+        delta = delta - tiles.load_vector(ref, here, q0, rows, p.L)
+    tiles.store_vector(delta_ref, here, delta, q0, p.L)
     tiles.store_vector(lse2_ref, here, jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E), q0, p.L)
 
 
@@ -85,11 +88,11 @@ def _delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
         grid=(tiles.cdiv(p.L, rows), p.B * p.Hq),
         in_specs=[pl.BlockSpec((None, None, rows, ev_pad), lambda i, bh: (*row_tile(i, bh), 0)),
                   pl.BlockSpec((None, None, rows, ev_pad), lambda i, bh: (*row_tile(i, bh), 0)),
-                  vector, vector],
+                  vector, *[vector] * (d_lse is not None)],
         out_specs=[vector, vector],
         out_shape=[out_struct(lse.shape, jnp.float32, lse)] * 2,
         compiler_params=params, interpret=p.interpret, name="jattn_flex_bwd_delta",
-    )(out, d_out, lse, d_lse)
+    )(out, d_out, lse, *[d_lse] * (d_lse is not None))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -183,7 +186,8 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
 def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, lse, d_out,
              d_lse):
-    """(dq, dk, dv) of flex attention; d_lse is the natural-log LSE's cotangent."""
+    """(dq, dk, dv) of flex attention; d_lse is the natural-log LSE's cotangent (None:
+    zero)."""
     cfg = p.config
     bq, bk = cfg.bwd_block_q, cfg.bwd_block_k
     q, k, v, masks, score_caps, mask_caps, out, lse, d_out, d_lse = aligned(

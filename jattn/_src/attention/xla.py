@@ -163,13 +163,15 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
               d_out, d_lse, differentiated: Sequence[bool], *, operand_grads: bool = True):
     """(dq, dk, dv, d_score_captures); dq/dk/dv are None when operand_grads is False.
 
-    d_lse is the cotangent of the natural-log LSE: it enters as delta - d_lse. Captured arrays
-    get a gradient where `differentiated` says so (float ones only), None elsewhere.
+    d_lse is the cotangent of the natural-log LSE (None: zero): it enters as delta - d_lse.
+    Captured arrays get a gradient where `differentiated` says so (float ones only), None
+    elsewhere.
     """
     group = lambda x: x.reshape(p.B, p.Hkv, p.groups, *x.shape[2:])  # noqa: E731
     qg, dog = group(q), group(d_out)
     acc = p.compute_dtype
-    delta = group(jnp.sum(out.astype(acc) * d_out.astype(acc), -1) - d_lse)
+    delta = jnp.sum(out.astype(acc) * d_out.astype(acc), -1)
+    delta = group(delta if d_lse is None else delta - d_lse)
     lse = group(lse)
     lse_safe = jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None]
     score_captures = list(score_captures)

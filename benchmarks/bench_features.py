@@ -1,0 +1,80 @@
+"""What the optional features cost: the same flex_attention call with and without them, same run.
+
+    python -m benchmarks.bench_features [--json out.json]
+
+Sinks (`sinks=`, per-head logits in the softmax denominator) forward + backward (their
+gradient included), and the rows' largest scores (`return_max_scores=True`) forward, each
+against the plain call on the same inputs: ratio = time with / time without. bf16, causal,
+jitted, inputs rotated out of L2 (`benchmarks.timing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jattn
+from benchmarks import record
+from benchmarks.timing import time_jax, warm_up
+
+CASES = [(4, 16, 4096, 128), (4, 32, 4096, 64), (1, 16, 16384, 128)]
+COPIES = 3
+
+
+def _fwd_bwd(fn):
+    def step(*args):
+        out, vjp = jax.vjp(fn, *args)
+        return vjp(jnp.ones(out.shape, out.dtype))
+    return step
+
+
+def bench_case(B: int, H: int, L: int, D: int) -> dict:
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+    rng = np.random.default_rng(0)
+    sets = [[jnp.asarray(rng.standard_normal((B, H, L, D)), jnp.bfloat16) for _ in range(3)]
+            + [jnp.asarray(rng.standard_normal(H), jnp.float32)] for _ in range(COPIES)]
+
+    def plain(q, k, v, sinks):
+        return jattn.flex_attention(q, k, v, block_mask=mask)
+
+    def with_sinks(q, k, v, sinks):
+        return jattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks)
+
+    def with_max(q, k, v, sinks):
+        return jattn.flex_attention(q, k, v, block_mask=mask, return_max_scores=True)
+
+    times = {"plain_fwd_bwd": time_jax(_fwd_bwd(plain), sets),
+             "sinks_fwd_bwd": time_jax(_fwd_bwd(with_sinks), sets),
+             "plain_fwd": time_jax(plain, sets),
+             "max_scores_fwd": time_jax(with_max, sets)}
+    row = {"case": f"B{B} H{H} L{L} D{D} causal",
+           **{name: round(1e3 * t, 4) for name, t in times.items()},
+           "sinks_ratio": round(times["sinks_fwd_bwd"] / times["plain_fwd_bwd"], 4),
+           "max_scores_ratio": round(times["max_scores_fwd"] / times["plain_fwd"], 4)}
+    print(f"{row['case']}: sinks fwd+bwd {row['sinks_fwd_bwd']:.3f} vs "
+          f"{row['plain_fwd_bwd']:.3f} ms ({row['sinks_ratio']:.3f}x); max scores fwd "
+          f"{row['max_scores_fwd']:.3f} vs {row['plain_fwd']:.3f} ms "
+          f"({row['max_scores_ratio']:.3f}x)", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
+    warm_up()
+    rows = []
+    for case in CASES:
+        rows.append(bench_case(*case))
+        record.write(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()
