@@ -1,6 +1,7 @@
 """ring_flex_attention across devices against flex_attention on one device, same run.
 
-    python -m benchmarks.bench_context_parallel [--lengths 32768,131072] [--masks causal,document]
+    python -m benchmarks.bench_context_parallel [--lengths 32768,131072]
+                                                [--masks causal,document,packed]
                                                 [--smoke] [--json out.json]
 
 For each device count (1, 2, 4, ... up to the devices present) and layout: forward+backward
@@ -32,9 +33,16 @@ BLOCK = 128
 
 
 def _mask(kind: str, length: int):
+    """causal; document: equal documents of 4k tokens (boundaries on shard and block
+    boundaries); packed: documents of random lengths, 4k on average (boundaries inside
+    blocks; one spans each shard boundary); causal inside documents."""
     if kind == "causal":
         return jattn.masks.causal_mask
-    documents = max(1, length // 4096)  # documents of 4k tokens, causal inside
+    if kind == "packed":
+        sizes = np.random.default_rng(length).integers(1024, 7169, length // 1024)
+        ids = jnp.asarray(np.repeat(np.arange(sizes.size), sizes)[:length], jnp.int32)
+        return jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(ids))
+    documents = max(1, length // 4096)
 
     def document(b, h, q_idx, kv_idx):
         return (q_idx // (length // documents) == kv_idx // (length // documents)) & (
@@ -85,7 +93,7 @@ def work_balance(mask_mod, length: int, devices: int, layout: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="32768,131072")
-    parser.add_argument("--masks", default="causal,document")
+    parser.add_argument("--masks", default="causal,document,packed")
     parser.add_argument("--smoke", action="store_true", help="small shapes (CPU)")
     parser.add_argument("--json")
     args = parser.parse_args()

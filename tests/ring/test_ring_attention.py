@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jattn
 from jattn._src.attention.reference import attention_reference
 from jattn._src.ring.attention import ring_steps
+from jattn._src.ring.schedule import ring_schedule
 from tests.helpers import (assert_close, assert_gradients_close, golden, low_precision, random,
                            random_cotangent_vjp)
 
@@ -89,7 +90,8 @@ def test_output_and_lse_equal_flex_attention_on_the_whole_sequence(n, layout, ma
     assert_close(lse[..., 0], gold_lse, low_lse, what="lse")
 
 
-def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=(), enable_gqa=False):
+def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=(), enable_gqa=False,
+                         block_mask=None):
     """ring_flex_attention over n devices on global (out, lse), the layout undone."""
     specs = tuple(P(*(None,) * (x.ndim - 1), "seq") for x in token_arrays)
 
@@ -97,7 +99,7 @@ def _differentiable_ring(n, mask_mod, score_mod, layout, *, token_arrays=(), ena
         return jattn.ring_flex_attention(q, k, v, score_mod, mask_mod, axis_name="seq",
                                          layout=layout, return_lse=True, implementation="xla",
                                          block_size=16, token_arrays=tokens,
-                                         enable_gqa=enable_gqa)
+                                         enable_gqa=enable_gqa, block_mask=block_mask)
 
     sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3 + specs,
                             out_specs=(SEQ, SEQ))
@@ -153,6 +155,43 @@ def test_backward_is_a_ring_with_dk_dv_travelling():
 
     text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
     assert text.count("ppermute[") == 2 * (n - 1) + 2 * (n - 1) + 2 * n
+
+
+def _previous_shard(b, h, q_idx, kv_idx):  # each shard of 64 sees only the one before
+    return kv_idx // 64 == q_idx // 64 - 1
+
+
+# (mask, the ring steps with work on 4 contiguous devices, sends of the forward and backward)
+@pytest.mark.parametrize("mask, steps, sends", [
+    # documents within shards (the library's masks: their arrays are pytree leaves): none
+    (jattn.masks.and_masks(jattn.masks.causal_mask,
+                           jattn.masks.document_mask(jnp.arange(L) // 64)), (0,), 0),
+    (jattn.masks.sliding_window(40), (0, 1), 2 + 6),    # one step on; its dK/dV home
+    (_previous_shard, (1,), 2 + 4)])                    # no diagonal: K/V go, dK/dV return
+def test_steps_without_work_send_nothing(mask, steps, sends):
+    """A whole-sequence BlockMask known while the ring is traced: steps whose pairs are empty
+    on every device are left out (no kernel, no transfer), with the results of the ring that
+    runs every step (a mask_mod's) bitwise."""
+    n = 4
+    whole_mask = _block_mask(mask)
+    assert ring_schedule(whole_mask, n, "contiguous") == steps
+    rng = np.random.default_rng(17)
+    q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
+    cotangents = random(rng, q.shape, jnp.float32), random(rng, q.shape[:3], jnp.float32)
+
+    def results(block_mask, mask_mod):  # (out, lse) and the gradients of q, k, v
+        ring = _differentiable_ring(n, mask_mod, None, "contiguous", block_mask=block_mask)
+
+        def pulled_back(*x):
+            out, vjp = jax.vjp(ring, *x)
+            return out, vjp(cotangents)
+        return pulled_back
+
+    skipping = results(whole_mask, None)
+    for ours, every_step in zip(jax.tree.leaves(jax.jit(skipping)(q, k, v)),
+                                jax.tree.leaves(jax.jit(results(None, mask))(q, k, v))):
+        np.testing.assert_array_equal(ours, every_step)
+    assert str(jax.make_jaxpr(skipping)(q, k, v)).count("ppermute[") == sends
 
 
 def test_document_ids_sharded_with_q_and_travelling_with_k():

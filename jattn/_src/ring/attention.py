@@ -10,6 +10,9 @@ The backward is a ring too (a custom_vjp): K/V go round again with their dK/dV a
 each device adding its pair's part (flex_attention's backward from the merged output and LSE,
 which is exact for a slice of the keys), and after the last pair one more step takes dK/dV
 home. Only this device's shards and the pairs' block lists are kept for it.
+
+Steps whose pairs are empty on every device (`schedule`) are left out, forward and backward:
+the shard in hand then moves on by as many places as the steps skipped, in one transfer.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from jattn._src.mesh_axes import aligned, summed_to_vary_like
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
+from jattn._src.ring.schedule import ring_schedule
 
 _FN = "ring_flex_attention"
 
@@ -45,6 +49,7 @@ class _Ring:
     implementation: str | None
     block_size: int
     cut_block: tuple[int, int] | None  # the given whole-sequence BlockMask's block size
+    schedule: tuple[int, ...]  # the ring steps some device has work at (`ring_schedule`)
 
     def pair(self, step: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
         """The Pair of ring step `step`: this device's queries, the K/V shard in hand."""
@@ -76,10 +81,13 @@ class _Ring:
         ring's own (the pairs' mods read the device index), so both branches of a skip agree."""
         return list(aligned(*xs, *operands, lax.axis_index(self.axis_name))[:len(xs)])
 
-    def pass_on(self, *xs):
-        """xs sent to the next device of the ring (received from the previous one)."""
+    def pass_on(self, places: int, *xs):
+        """xs sent `places` devices on along the ring (received from as many before); as
+        they are for 0 places."""
         n = lax.axis_size(self.axis_name)
-        return [lax.ppermute(x, self.axis_name, [(i, (i + 1) % n) for i in range(n)])
+        if places % n == 0:
+            return list(xs)
+        return [lax.ppermute(x, self.axis_name, [(i, (i + places) % n) for i in range(n)])
                 for x in xs]
 
 
@@ -104,14 +112,17 @@ def _dense_tables(whole_mask, num_devices: int):
 
 def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
-    device: int32, each step's BlockMask without its mask_mod, or None)."""
+    device: int32, each scheduled step's BlockMask without its mask_mod, or None)."""
     n = lax.axis_size(ring.axis_name)
     (B, Hq, Lc, _), Ev = q.shape, v.shape[-1]
     out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
     lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
-    launched, block_masks, in_hand = jnp.int32(0), [], list(tokens)
+    launched, block_masks = jnp.int32(0), []
     tables = _dense_tables(whole_mask, n)
-    for step in range(n):
+    steps = ring.schedule
+    # the shard of the first step with work (a step's shard: the one `step` devices before)
+    k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
+    for i, step in enumerate(steps):
         pair = ring.pair(step, score_caps, mask_caps, tokens, in_hand, Lc)
         block_mask = ring.pair_block_mask(step, pair, whole_mask, tables, B, Hq, Lc)
         blocks = visited_blocks(block_mask)
@@ -128,14 +139,15 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
             return zero, zero[..., 0] - jnp.inf
 
         # The next shard is sent on while this one is attended to: the two are independent.
-        if step + 1 < n:
-            next_k, next_v, *next_tokens = ring.pass_on(k, v, *in_hand)
+        last = i + 1 == len(steps)
+        if not last:
+            next_k, next_v, *next_tokens = ring.pass_on(steps[i + 1] - step, k, v, *in_hand)
         step_out, step_lse = lax.cond(blocks > 0, attend, skip, k, v)
         out, lse = _merge(out, lse, step_out, step_lse)
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
-        if step + 1 < n:
+        if not last:
             k, v, in_hand = next_k, next_v, next_tokens
     return out.astype(q.dtype), lse, launched, block_masks
 
@@ -152,13 +164,15 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     dq, dk, dv = ring.pair_typed([jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
     d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
                               for c, f in zip(score_caps, floats) if f], q, k, v)
-    in_hand = list(tokens)
-    for step in range(n):
+    steps = ring.schedule
+    k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
+    for i, step in enumerate(steps):
         pair = ring.pair(step, varying_caps, mask_caps, tokens, in_hand, Lc)
-        saved = block_masks[step]
+        saved = block_masks[i]
         block_mask = None if saved is None else dataclasses.replace(saved, mask_mod=pair.mask)
-        if step + 1 < n:
-            next_k, next_v, *next_tokens = ring.pass_on(k, v, *in_hand)
+        last = i + 1 == len(steps)
+        if not last:
+            next_k, next_v, *next_tokens = ring.pass_on(steps[i + 1] - step, k, v, *in_hand)
 
         def attend(k, v, pair=pair, block_mask=block_mask):
             dq_p, dk_p, dv_p, d_caps_p = flex_attention_backward(
@@ -175,11 +189,12 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
         parts = lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v)
         dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
-        if step + 1 < n:  # dK/dV travel with their shard
-            dk, dv = ring.pass_on(dk, dv)
+        if not last:  # dK/dV travel with their shard
+            dk, dv = ring.pass_on(steps[i + 1] - step, dk, dv)
             k, v, in_hand = next_k, next_v, next_tokens
-    if n > 1:  # the shard in hand after the last pair is the next device's: send dK/dV home
-        dk, dv = ring.pass_on(dk, dv)
+    # the shard in hand after the last step is the one `steps[-1]` devices before: dK/dV go
+    # home, the rest of the way round
+    dk, dv = ring.pass_on(n - steps[-1] if steps else 0, dk, dv)
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
     cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
@@ -223,8 +238,9 @@ def _check_whole_mask(block_mask: BlockMask | None, q, num_devices: int, layout:
 
 
 def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
-           implementation, block_size, token_arrays, block_mask):
-    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens)."""
+           implementation, block_size, token_arrays, block_mask, schedule=None):
+    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens); the
+    ring's steps `schedule`, or (None) those `ring_schedule` finds in block_mask."""
     n = lax.axis_size(axis_name)
     Lc, Sc = q.shape[2], k.shape[2]
     check_layout(layout, Lc, _FN)
@@ -237,8 +253,10 @@ def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa
                                   f"axis, which must be this device's {Lc} positions")
     views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
     mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
+    if schedule is None:
+        schedule = ring_schedule(block_mask, n, layout)
     ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size,
-                 None if block_mask is None else block_mask.block_size)
+                 None if block_mask is None else block_mask.block_size, schedule)
     return ring, tuple(score_caps), tuple(mask_caps), tuple(tokens)
 
 
@@ -291,7 +309,10 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         [B|1, Hq|1, L, L], e.g. by `jattn.create_block_mask` outside shard_map; its mask_mod
         on global positions, the sequence in its original order): each pair's blocks are cut
         from it, so no mask is evaluated to find them. Its blocks must tile each shard (each
-        half shard for zigzag).
+        half shard for zigzag). Where its values are known while the ring is traced (built
+        outside the jitted function and closed over), a ring step whose pairs it leaves
+        empty on every device is skipped: no kernel and no transfer (packed documents
+        within shards send nothing around the ring).
       sinks: attention sinks [Hq], one logit per query head, as in flex_attention, the same
         on every device of the ring (replicated): each device's rows count them once, and
         their gradient is the sum over the devices.
@@ -313,12 +334,25 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             mesh=mesh, in_specs=(P(None, None, "seq"),) * 3, out_specs=P(None, None, "seq"))
         print(jax.jit(attention)(q, k, v).shape)                    # (1, 2, 256, 32)
     """
-    ring, score_caps, mask_caps, tokens = _setup(
-        q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
-        enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
-        token_arrays=token_arrays, block_mask=block_mask)
+    return scheduled_ring_attention(
+        q, k, v, score_mod, mask_mod, None, axis_name=axis_name, layout=layout, scale=scale,
+        enable_gqa=enable_gqa, return_lse=return_lse, implementation=implementation,
+        block_size=block_size, token_arrays=token_arrays, block_mask=block_mask, sinks=sinks)
+
+
+def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: tuple[int, ...] | None, *,
+                             return_lse: bool, sinks, **options):
+    """ring_flex_attention running the ring steps `schedule` (`ring_schedule` of the whole
+    sequence's BlockMask where its values are known: sharded_flex_attention works it out
+    before the mask enters shard_map as an argument), or (None) those it finds itself."""
+    ring, score_caps, mask_caps, tokens = _setup(q, k, v, score_mod, mask_mod,
+                                                 schedule=schedule, **options)
     sinks = checked_sinks(_FN, sinks, q.shape[1])
-    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, block_mask)
+    # (the pairs read the ring's own mods: the BlockMask enters the custom_vjp as its lists
+    # alone, not with its mask_mod's leaves, which may be functions)
+    whole = options["block_mask"]
+    whole = None if whole is None else dataclasses.replace(whole, mask_mod=None)
+    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, whole)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

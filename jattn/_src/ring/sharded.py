@@ -21,8 +21,9 @@ from jattn._src.attention.sinks import checked_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
-from jattn._src.ring.attention import ring_flex_attention
+from jattn._src.ring.attention import scheduled_ring_attention
 from jattn._src.ring.pair import uses_batch_or_head
+from jattn._src.ring.schedule import ring_schedule
 
 _FN = "sharded_flex_attention"
 
@@ -82,7 +83,9 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       block_mask: instead of mask_mod, a BlockMask of the whole arrays ([B|1, Hq|1, L, L],
         from `jattn.create_block_mask`; its mask_mod on global indices): each device takes
         its batch rows' and heads' blocks, and the ring cuts each pair's from it (see
-        ring_flex_attention), so no mask is evaluated to find them.
+        ring_flex_attention), so no mask is evaluated to find them. Where its values are
+        known (not traced: built outside the jitted function), the ring skips the steps it
+        leaves empty on every device, transfers included.
       sinks: attention sinks [Hq], one logit per query head, as in flex_attention (split
         with the heads over `head_axis`).
 
@@ -129,15 +132,19 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
         return dataclasses.replace(jax.tree.map(rows, whole), mask_mod=mask)
 
+    # (worked out here: inside shard_map the BlockMask is an argument, its values traced)
+    schedule = None if sequence_axis is None else ring_schedule(
+        block_mask, mesh.shape[sequence_axis], layout)
+
     def local(q, k, v, whole, sinks, *tokens):
         if sequence_axis is not None:
             score, mask = global_mods()
             blocks = None if whole is None else local_blocks(whole, mask)
-            return ring_flex_attention(q, k, v, score, mask if whole is None else None,
-                                       axis_name=sequence_axis, layout=layout, scale=scale,
-                                       enable_gqa=enable_gqa, return_lse=True,
-                                       implementation=implementation, block_size=block_size,
-                                       token_arrays=tokens, block_mask=blocks, sinks=sinks)
+            return scheduled_ring_attention(
+                q, k, v, score, mask if whole is None else None, schedule,
+                axis_name=sequence_axis, layout=layout, scale=scale, enable_gqa=enable_gqa,
+                return_lse=True, implementation=implementation, block_size=block_size,
+                token_arrays=tokens, block_mask=blocks, sinks=sinks)
         score, mask = global_mods(*tokens)
         blocks = None if whole is None else local_blocks(whole, mask)
         if whole is None and mask is not None:
