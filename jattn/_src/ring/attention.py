@@ -6,10 +6,10 @@ hand; the partial results merge through their log-sum-exps. The mods see global 
 A (query shard, key shard) pair whose BlockMask is empty launches no kernel: under a causal
 mask with the contiguous layout that is almost half of them.
 
-The backward is a ring too (a custom_vjp): K/V go round again with their dK/dV accumulators,
-each device adding its pair's part (flex_attention's backward from the merged output and LSE,
-which is exact for a slice of the keys), and after the last pair one more step takes dK/dV
-home. Only this device's shards and the pairs' block lists are kept for it.
+The backward is a ring too (a custom_vjp): K/V go round again, each device computing its
+pair's part (flex_attention's backward from the merged output and LSE, which is exact for a
+slice of the keys) and sending the dK/dV part straight back to the shard's device. Only this
+device's shards and the pairs' block lists are kept for it.
 
 Steps whose pairs are empty on every device (`schedule`) are left out, forward and backward:
 the shard in hand then moves on by as many places as the steps skipped, in one transfer.
@@ -32,7 +32,7 @@ from jattn._src.mesh_axes import aligned, summed_to_vary_like
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
-from jattn._src.ring.schedule import ring_schedule
+from jattn._src.ring.schedule import RingSchedule, ring_schedule
 
 _FN = "ring_flex_attention"
 
@@ -49,7 +49,7 @@ class _Ring:
     implementation: str | None
     block_size: int
     cut_block: tuple[int, int] | None  # the given whole-sequence BlockMask's block size
-    schedule: tuple[int, ...]  # the ring steps some device has work at (`ring_schedule`)
+    schedule: RingSchedule  # the steps some device has work at, and every device
 
     def pair(self, step: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
         """The Pair of ring step `step`: this device's queries, the K/V shard in hand."""
@@ -119,7 +119,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
     launched, block_masks = jnp.int32(0), []
     tables = _dense_tables(whole_mask, n)
-    steps = ring.schedule
+    steps = ring.schedule.steps
     # the shard of the first step with work (a step's shard: the one `step` devices before)
     k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
     for i, step in enumerate(steps):
@@ -142,7 +142,8 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         last = i + 1 == len(steps)
         if not last:
             next_k, next_v, *next_tokens = ring.pass_on(steps[i + 1] - step, k, v, *in_hand)
-        step_out, step_lse = lax.cond(blocks > 0, attend, skip, k, v)
+        step_out, step_lse = (attend(k, v) if step in ring.schedule.everywhere else
+                              lax.cond(blocks > 0, attend, skip, k, v))
         out, lse = _merge(out, lse, step_out, step_lse)
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
@@ -155,7 +156,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
 def _backward(ring: _Ring, residuals, d_out, d_lse):
     """(dq, dk, dv, d_score_caps) of the ring from its saved shards, output and LSE."""
     q, k, v, score_caps, mask_caps, tokens, out, lse, block_masks = residuals
-    n, Lc = lax.axis_size(ring.axis_name), q.shape[2]
+    Lc = q.shape[2]
     # The captures' gradients are summed over the devices after the last pair: inside a
     # pair's backward (a lax.cond branch some devices skip) that sum would deadlock, so the
     # pairs see the captures as varying over q's axes and sum nothing.
@@ -164,7 +165,7 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     dq, dk, dv = ring.pair_typed([jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
     d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
                               for c, f in zip(score_caps, floats) if f], q, k, v)
-    steps = ring.schedule
+    steps = ring.schedule.steps
     k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
     for i, step in enumerate(steps):
         pair = ring.pair(step, varying_caps, mask_caps, tokens, in_hand, Lc)
@@ -186,15 +187,15 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
             return ring.pair_typed([jnp.zeros(x.shape, jnp.float32)
                                     for x in (dq, dk, dv, *d_caps)], q, k, v)
 
-        parts = lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v)
-        dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
+        parts = (attend(k, v) if step in ring.schedule.everywhere else
+                 lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v))
+        # the shard in hand is the one `step` devices before: its dK/dV part goes straight
+        # back there (sent while the next step computes)
+        dk_part, dv_part = ring.pass_on(-step, parts[1], parts[2])
+        dq, dk, dv = dq + parts[0], dk + dk_part, dv + dv_part
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
-        if not last:  # dK/dV travel with their shard
-            dk, dv = ring.pass_on(steps[i + 1] - step, dk, dv)
+        if not last:
             k, v, in_hand = next_k, next_v, next_tokens
-    # the shard in hand after the last step is the one `steps[-1]` devices before: dK/dV go
-    # home, the rest of the way round
-    dk, dv = ring.pass_on(n - steps[-1] if steps else 0, dk, dv)
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
     cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
