@@ -1,7 +1,9 @@
 """ring_flex_attention across forced CPU devices: exactly flex_attention on the whole sequence
 (output, LSE, gradients of q, k, v and a learnable table), both layouts, skipped pairs counted."""
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -162,39 +164,61 @@ def _previous_shard(b, h, q_idx, kv_idx):  # each shard of 64 sees only the one 
     return kv_idx // 64 == q_idx // 64 - 1
 
 
-# (mask, the ring steps with work on 4 contiguous devices and those with work on every one,
-# sends of the forward and backward)
-@pytest.mark.parametrize("mask, steps, everywhere, sends", [
+_PACKED = jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(
+    jnp.asarray(np.repeat(np.arange(4), [50, 90, 30, 86]), jnp.int32)))
+
+
+# (mask, layout, the ring steps with work on 4 devices, those with work on every device, the
+# key blocks (of 16) sent at each, sends of the forward and backward: K, V and the token
+# array per step fetched, dK and dV per step returned)
+@pytest.mark.parametrize("mask, layout, steps, everywhere, kept, sends", [
     # documents within shards (the library's masks: their arrays are pytree leaves): none
     (jattn.masks.and_masks(jattn.masks.causal_mask,
-                           jattn.masks.document_mask(jnp.arange(L) // 64)), (0,), {0}, 0),
-    (jattn.masks.sliding_window(40), (0, 1), {0}, 2 + 4),  # one step on, its dK/dV back
-    (_previous_shard, (1,), set(), 2 + 4)])                # no diagonal: the same sends
-def test_steps_without_work_send_nothing(mask, steps, everywhere, sends):
+                           jattn.masks.document_mask(jnp.arange(L) // 64)), "contiguous",
+     (0,), {0}, (None,), 0),
+    # the last 40 keys of the previous shard: 3 of its 4 blocks go, their dK/dV come back
+    (jattn.masks.sliding_window(40), "contiguous", (0, 1), {0}, (None, (1, 2, 3)), 3 + 5),
+    (_previous_shard, "contiguous", (1,), set(), (None,), 3 + 5),  # no diagonal
+    # documents of random lengths across shard boundaries, in both halves of zigzag shards
+    (_PACKED, "zigzag", (0, 1, 2, 3), {0}, (None, (0, 1), (1, 2, 3), (2, 3)), 9 + 15)])
+def test_steps_without_work_send_nothing(mask, layout, steps, everywhere, kept, sends):
     """A whole-sequence BlockMask known while the ring is traced: steps whose pairs are empty
-    on every device are left out (no kernel, no transfer), with the results of the ring that
-    runs every step (a mask_mod's) bitwise."""
+    on every device are left out (no kernel, no transfer), and of the others only the key
+    blocks some pair visits travel; the results (forward and gradients) are those of the
+    ring that runs every step on whole shards (a mask_mod's), bitwise."""
     n = 4
     whole_mask = _block_mask(mask)
-    schedule = ring_schedule(whole_mask, n, "contiguous")
-    assert (schedule.steps, schedule.everywhere) == (steps, everywhere)
+    schedule = ring_schedule(whole_mask, n, layout)
+    assert (schedule.steps, schedule.everywhere, schedule.kept) == (steps, everywhere, kept)
     rng = np.random.default_rng(17)
     q, k, v = (random(rng, (1, 2, L, E), jnp.float32) for _ in range(3))
     cotangents = random(rng, q.shape, jnp.float32), random(rng, q.shape[:3], jnp.float32)
 
+    def by_tokens(score, b, h, q_idx, kv_idx, position):  # reads the keys' tokens in hand
+        return score + 0.01 * (position[q_idx] - position[kv_idx])
+
     def results(block_mask, mask_mod):  # (out, lse) and the gradients of q, k, v
-        ring = _differentiable_ring(n, mask_mod, None, "contiguous", block_mask=block_mask)
+        ring = _differentiable_ring(n, mask_mod, by_tokens, layout, block_mask=block_mask,
+                                    token_arrays=(jnp.arange(L, dtype=jnp.int32),))
 
         def pulled_back(*x):
             out, vjp = jax.vjp(ring, *x)
             return out, vjp(cotangents)
         return pulled_back
 
-    skipping = results(whole_mask, None)
+    with_tokens = lambda b, h, q_idx, kv_idx, _: mask(b, h, q_idx, kv_idx)  # noqa: E731
+    skipping = results(dataclasses.replace(whole_mask, mask_mod=with_tokens), None)
     for ours, every_step in zip(jax.tree.leaves(jax.jit(skipping)(q, k, v)),
-                                jax.tree.leaves(jax.jit(results(None, mask))(q, k, v))):
+                                jax.tree.leaves(jax.jit(results(None, with_tokens))(q, k, v))):
         np.testing.assert_array_equal(ours, every_step)
-    assert str(jax.make_jaxpr(skipping)(q, k, v)).count("ppermute[") == sends
+    text = str(jax.make_jaxpr(skipping)(q, k, v))
+    assert text.count("ppermute[") == sends
+    # the keys sent: the kept blocks' positions (16 each) where a step needs some, whole
+    # shards of 64 where it needs all
+    sent = {int(length) for length in re.findall(
+        r"f32\[1,2,(\d+),16\](?:\{[^}]*\})? = ppermute\[", text)}
+    assert sent == {64 if blocks is None else 16 * len(blocks)
+                    for step, blocks in zip(steps, kept) if step}
 
 
 def test_document_ids_sharded_with_q_and_travelling_with_k():

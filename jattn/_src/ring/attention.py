@@ -1,8 +1,9 @@
 """Context-parallel FlexAttention: a ring of devices under shard_map.
 
-Each device holds a shard of q, k and v along the sequence. The K/V shards travel around the
-ring (`lax.ppermute` to the next device) while each device attends its queries to the shard in
-hand; the partial results merge through their log-sum-exps. The mods see global positions.
+Each device holds a shard of q, k and v along the sequence. At ring step s every device attends
+its queries to the K/V of the device s places before it, sent from there (`lax.ppermute`)
+while the previous step computes; the partial results merge through their log-sum-exps. The
+mods see global positions.
 A (query shard, key shard) pair whose BlockMask is empty launches no kernel: under a causal
 mask with the contiguous layout that is almost half of them.
 
@@ -11,8 +12,8 @@ pair's part (flex_attention's backward from the merged output and LSE, which is 
 slice of the keys) and sending the dK/dV part straight back to the shard's device. Only this
 device's shards and the pairs' block lists are kept for it.
 
-Steps whose pairs are empty on every device (`schedule`) are left out, forward and backward:
-the shard in hand then moves on by as many places as the steps skipped, in one transfer.
+Steps whose pairs are empty on every device (`schedule`) are left out, forward and backward,
+and of a step that runs only the key blocks its pairs visit are sent.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jattn._src.attention.api import flex_attention, flex_attention_backward
@@ -51,11 +53,12 @@ class _Ring:
     cut_block: tuple[int, int] | None  # the given whole-sequence BlockMask's block size
     schedule: RingSchedule  # the steps some device has work at, and every device
 
-    def pair(self, step: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
-        """The Pair of ring step `step`: this device's queries, the K/V shard in hand."""
-        return Pair.make(self.mods, **self._devices(step), shard=shard, layout=self.layout,
-                         score_caps=score_caps, mask_caps=mask_caps, tokens=tokens,
-                         tokens_in_hand=tokens_in_hand)
+    def pair(self, i: int, score_caps, mask_caps, tokens, tokens_in_hand, shard: int):
+        """The Pair of the i-th scheduled step: this device's queries, the keys in hand."""
+        return Pair.make(self.mods, **self._devices(self.schedule.steps[i]), shard=shard,
+                         layout=self.layout, score_caps=score_caps, mask_caps=mask_caps,
+                         tokens=tokens, tokens_in_hand=tokens_in_hand,
+                         kv_local=self.schedule.kept_positions(i))
 
     def _devices(self, step: int) -> dict:
         n = lax.axis_size(self.axis_name)
@@ -64,7 +67,7 @@ class _Ring:
         me = lax.axis_index(self.axis_name)
         return dict(me=me, origin=lax.rem(me - step + n, n), num_devices=n)
 
-    def pair_block_mask(self, step: int, pair: Pair, whole_mask, tables, B: int, Hq: int,
+    def pair_block_mask(self, i: int, pair: Pair, whole_mask, tables, B: int, Hq: int,
                         shard: int):
         """The pair's BlockMask: cut from the whole sequence's block tables where the call
         gave a BlockMask (on one device, the pair is the whole sequence), else built from the
@@ -73,8 +76,27 @@ class _Ring:
             return pair.block_mask(self.mods, B, Hq, shard, self.block_size)
         if tables is None:
             return dataclasses.replace(whole_mask, mask_mod=pair.mask)
-        return pair.cut_block_mask(tables, **self._devices(step), shard=shard,
-                                   layout=self.layout, block_size=self.cut_block)
+        return pair.cut_block_mask(tables, **self._devices(self.schedule.steps[i]),
+                                   shard=shard, layout=self.layout, block_size=self.cut_block,
+                                   kv_local=self.schedule.kept_positions(i))
+
+    def fetch(self, i: int, k, v, tokens) -> list:
+        """[k, v, *tokens] of the i-th scheduled step: of the shard `step` devices before, the
+        key positions its pairs visit (`RingSchedule.kept`), sent from there."""
+        positions = self.schedule.kept_positions(i)
+        if positions is not None:
+            k, v = (_taken(x, positions, 2) for x in (k, v))
+            tokens = [_taken(t, positions, t.ndim - 1) for t in tokens]
+        return self.pass_on(self.schedule.steps[i], k, v, *tokens)
+
+    def returned(self, i: int, parts, shard: int) -> list:
+        """The i-th step's dK/dV parts sent back to the device of their shard, placed at
+        their positions of its shard (zeros elsewhere)."""
+        parts = self.pass_on(-self.schedule.steps[i], *parts)
+        positions = self.schedule.kept_positions(i)
+        if positions is None:
+            return parts
+        return [_placed(x, positions, shard, 2) for x in parts]
 
     def pair_typed(self, xs, *operands) -> list:
         """xs cast to vary over every mesh axis a pair's result may: the operands' and the
@@ -89,6 +111,29 @@ class _Ring:
             return list(xs)
         return [lax.ppermute(x, self.axis_name, [(i, (i + places) % n) for i in range(n)])
                 for x in xs]
+
+
+def _runs(positions: np.ndarray) -> list[np.ndarray]:
+    """Sorted positions split into runs of consecutive ones."""
+    return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
+
+
+def _taken(x, positions: np.ndarray, axis: int):
+    """x at the sorted static `positions` along `axis` (slices of its runs)."""
+    return jnp.concatenate([lax.slice_in_dim(x, int(run[0]), int(run[-1]) + 1, axis=axis)
+                            for run in _runs(positions)], axis=axis)
+
+
+def _placed(x, positions: np.ndarray, length: int, axis: int):
+    """Zeros of `length` along `axis` holding x at the sorted static `positions`."""
+    shape = list(x.shape)
+    shape[axis] = length
+    out, start = aligned(jnp.zeros(shape, x.dtype), x)[0], 0
+    for run in _runs(positions):
+        piece = lax.slice_in_dim(x, start, start + run.size, axis=axis)
+        out = lax.dynamic_update_slice_in_dim(out, piece, int(run[0]), axis=axis)
+        start += run.size
+    return out
 
 
 def _merge(out, lse, step_out, step_lse):
@@ -120,11 +165,11 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     launched, block_masks = jnp.int32(0), []
     tables = _dense_tables(whole_mask, n)
     steps = ring.schedule.steps
-    # the shard of the first step with work (a step's shard: the one `step` devices before)
-    k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
+    in_hand = ring.fetch(0, k, v, tokens) if steps else None
     for i, step in enumerate(steps):
-        pair = ring.pair(step, score_caps, mask_caps, tokens, in_hand, Lc)
-        block_mask = ring.pair_block_mask(step, pair, whole_mask, tables, B, Hq, Lc)
+        k_in, v_in, *tokens_in = in_hand
+        pair = ring.pair(i, score_caps, mask_caps, tokens, tokens_in, Lc)
+        block_mask = ring.pair_block_mask(i, pair, whole_mask, tables, B, Hq, Lc)
         blocks = visited_blocks(block_mask)
 
         def attend(k, v, pair=pair, block_mask=block_mask):
@@ -138,18 +183,15 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
             zero = ring.pair_typed([jnp.zeros(out.shape, jnp.float32)], q, k, v)[0]
             return zero, zero[..., 0] - jnp.inf
 
-        # The next shard is sent on while this one is attended to: the two are independent.
-        last = i + 1 == len(steps)
-        if not last:
-            next_k, next_v, *next_tokens = ring.pass_on(steps[i + 1] - step, k, v, *in_hand)
-        step_out, step_lse = (attend(k, v) if step in ring.schedule.everywhere else
-                              lax.cond(blocks > 0, attend, skip, k, v))
+        # The next step's keys are sent while this one's are attended to.
+        if i + 1 < len(steps):
+            in_hand = ring.fetch(i + 1, k, v, tokens)
+        step_out, step_lse = (attend(k_in, v_in) if step in ring.schedule.everywhere else
+                              lax.cond(blocks > 0, attend, skip, k_in, v_in))
         out, lse = _merge(out, lse, step_out, step_lse)
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
-        if not last:
-            k, v, in_hand = next_k, next_v, next_tokens
     return out.astype(q.dtype), lse, launched, block_masks
 
 
@@ -166,14 +208,14 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
                               for c, f in zip(score_caps, floats) if f], q, k, v)
     steps = ring.schedule.steps
-    k, v, *in_hand = ring.pass_on(steps[0] if steps else 0, k, v, *tokens)
+    in_hand = ring.fetch(0, k, v, tokens) if steps else None
     for i, step in enumerate(steps):
-        pair = ring.pair(step, varying_caps, mask_caps, tokens, in_hand, Lc)
+        k_in, v_in, *tokens_in = in_hand
+        pair = ring.pair(i, varying_caps, mask_caps, tokens, tokens_in, Lc)
         saved = block_masks[i]
         block_mask = None if saved is None else dataclasses.replace(saved, mask_mod=pair.mask)
-        last = i + 1 == len(steps)
-        if not last:
-            next_k, next_v, *next_tokens = ring.pass_on(steps[i + 1] - step, k, v, *in_hand)
+        if i + 1 < len(steps):
+            in_hand = ring.fetch(i + 1, k, v, tokens)
 
         def attend(k, v, pair=pair, block_mask=block_mask):
             dq_p, dk_p, dv_p, d_caps_p = flex_attention_backward(
@@ -185,17 +227,15 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
 
         def skip(k, v):
             return ring.pair_typed([jnp.zeros(x.shape, jnp.float32)
-                                    for x in (dq, dk, dv, *d_caps)], q, k, v)
+                                    for x in (q, k, v, *d_caps)], q, k, v)
 
-        parts = (attend(k, v) if step in ring.schedule.everywhere else
-                 lax.cond(visited_blocks(block_mask) > 0, attend, skip, k, v))
-        # the shard in hand is the one `step` devices before: its dK/dV part goes straight
-        # back there (sent while the next step computes)
-        dk_part, dv_part = ring.pass_on(-step, parts[1], parts[2])
+        parts = (attend(k_in, v_in) if step in ring.schedule.everywhere else
+                 lax.cond(visited_blocks(block_mask) > 0, attend, skip, k_in, v_in))
+        # the dK/dV part goes straight back to the keys' device (sent while the next step
+        # computes)
+        dk_part, dv_part = ring.returned(i, parts[1:3], Lc)
         dq, dk, dv = dq + parts[0], dk + dk_part, dv + dv_part
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
-        if not last:
-            k, v, in_hand = next_k, next_v, next_tokens
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
     cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
@@ -341,7 +381,7 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         block_size=block_size, token_arrays=token_arrays, block_mask=block_mask, sinks=sinks)
 
 
-def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: tuple[int, ...] | None, *,
+def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: RingSchedule | None, *,
                              return_lse: bool, sinks, **options):
     """ring_flex_attention running the ring steps `schedule` (`ring_schedule` of the whole
     sequence's BlockMask where its values are known: sharded_flex_attention works it out

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
@@ -121,10 +122,13 @@ class Pair:
     @classmethod
     def make(cls, mods: RingMods, *, me, origin, num_devices: int, shard: int, layout: str,
              score_caps, mask_caps, tokens: Sequence[jax.Array],
-             tokens_in_hand: Sequence[jax.Array]) -> Pair:
+             tokens_in_hand: Sequence[jax.Array], kv_local: np.ndarray | None = None) -> Pair:
+        """kv_local: the positions in origin's shard of the keys in hand, where they are
+        some of its blocks (None: all of it, in order)."""
         local = jnp.arange(shard, dtype=jnp.int32)
         q_at = global_positions(local, me, num_devices, shard, layout)
-        kv_at = global_positions(local, origin, num_devices, shard, layout)
+        kv_at = global_positions(local if kv_local is None else jnp.asarray(kv_local), origin,
+                                 num_devices, shard, layout)
         views = [token_view(mine, theirs, q_at, kv_at, num_devices * shard)
                  for mine, theirs in zip(tokens, tokens_in_hand)]
 
@@ -132,6 +136,8 @@ class Pair:
             return global_positions(q_idx, me, num_devices, shard, layout)
 
         def kv_pos(kv_idx):
+            if kv_local is not None:
+                kv_idx = jnp.asarray(kv_local)[kv_idx]
             return global_positions(kv_idx, origin, num_devices, shard, layout)
 
         score = mask = None
@@ -155,20 +161,24 @@ class Pair:
                                  block_size=block_size)
 
     def cut_block_mask(self, tables: tuple[jax.Array, jax.Array | None], *, me, origin,
-                       num_devices: int, shard: int, layout: str,
-                       block_size: tuple[int, int]) -> BlockMask:
+                       num_devices: int, shard: int, layout: str, block_size: tuple[int, int],
+                       kv_local: np.ndarray | None = None) -> BlockMask:
         """The pair's BlockMask cut from the whole sequence's dense block tables (partial,
-        full): the rows of this device's query blocks and the columns of the shard in hand's
-        key blocks. No mask is evaluated."""
-        def starts(device, block):
-            positions = jnp.arange(0, shard, block, dtype=jnp.int32)
+        full): the rows of this device's query blocks and the columns of the key blocks in
+        hand (kv_local: their positions in origin's shard, whole blocks; None: all of it). No
+        mask is evaluated."""
+        def starts(device, block, positions):
             return global_positions(positions, device, num_devices, shard, layout) // block
 
-        rows = starts(me, block_size[0])[:, None]
-        columns = starts(origin, block_size[1])[None, :]
-        partial, full = (None if t is None else t[..., rows, columns] for t in tables)
+        rows = starts(me, block_size[0], jnp.arange(0, shard, block_size[0], dtype=jnp.int32))
+        kv_starts = (jnp.arange(0, shard, block_size[1], dtype=jnp.int32) if kv_local is None
+                     else jnp.asarray(kv_local[::block_size[1]]))
+        columns = starts(origin, block_size[1], kv_starts)
+        partial, full = (None if t is None else t[..., rows[:, None], columns[None, :]]
+                         for t in tables)
+        kv_length = shard if kv_local is None else len(kv_local)
         return BlockMask.from_dense_blocks(partial, full, block_size=block_size,
-                                           seq_lengths=(shard, shard), mask_mod=self.mask)
+                                           seq_lengths=(shard, kv_length), mask_mod=self.mask)
 
 
 def visited_blocks(block_mask: BlockMask | None) -> jax.Array:

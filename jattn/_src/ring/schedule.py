@@ -1,16 +1,18 @@
-"""Which ring steps have work: the steps whose (query shard, key shard) pair is empty on every
-device are left out of the ring, their transfers with them.
+"""Which ring steps have work, and which keys: the steps whose (query shard, key shard) pair is
+empty on every device are left out of the ring, their transfers with them.
 
 At ring step s device d attends its queries to the keys of device (d − s) mod n. A whole-sequence
 BlockMask whose values are known while the ring is traced (built outside the jitted step, as
 usual) says which of those pairs visit no block; a step empty on every device sends nothing and
-launches nothing: the shard in hand moves on by as many places as the steps skipped. Packed
-documents that end at shard boundaries leave every step but the first empty. Where the mask's
+launches nothing. Packed documents that end at shard boundaries leave every step but the first
+empty. Where the mask's
 values are not known (a BlockMask built inside the traced function, or a mask_mod, whose pairs
 are built per device) every step runs, empty pairs still launching no kernel.
 
-Each device's partial dK/dV of another device's shard goes straight back to that device, in
-the step after it is computed; its own shard's stays home.
+Of a step that runs, only the key blocks some device's pair visits travel (a document that
+crosses a shard boundary needs its own blocks of the neighbour's shard, not the whole shard),
+each step's keys sent straight from the device that holds them; each device's part of their
+dK/dV goes straight back to it, its own shard's part staying home.
 """
 
 from __future__ import annotations
@@ -26,12 +28,23 @@ from jattn._src.ring.layout import global_positions
 
 @dataclasses.dataclass(frozen=True)
 class RingSchedule:
-    """steps: the ring steps that run, in order (0 = each device's own shard); everywhere: those
-    whose pair visits a block on every device, which need no test of emptiness (on a GPU
-    such a test is a conditional whose predicate the host reads)."""
+    """steps: the ring steps that run, in order (0 = each device's own shard). everywhere:
+    those whose pair visits a block on every device, which need no test of emptiness (on a
+    GPU such a test is a conditional whose predicate the host reads). kept: for each step,
+    the key blocks of a shard (local block indices, of `block` positions each) that some
+    device's pair visits, where that is fewer than all: only those are sent."""
 
     steps: tuple[int, ...]
     everywhere: frozenset[int] = frozenset()
+    kept: tuple[tuple[int, ...] | None, ...] | None = None
+    block: int = 0
+
+    def kept_positions(self, i: int) -> np.ndarray | None:
+        """The local key positions the i-th step sends (in order), or None: the whole shard."""
+        if self.kept is None or self.kept[i] is None:
+            return None
+        blocks = np.asarray(self.kept[i], np.int32)
+        return (blocks[:, None] * self.block + np.arange(self.block, dtype=np.int32)).ravel()
 
 
 def every_step(num_devices: int) -> RingSchedule:
@@ -39,10 +52,9 @@ def every_step(num_devices: int) -> RingSchedule:
 
 
 def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -> RingSchedule:
-    """The ring steps (0 = each device's own shard) at which some device's pair visits a block
-    of `block_mask` (the whole sequence's, [Bm, Hm, L, L]), and those at which every device's
-    does; every step, none known non-empty, where there is no BlockMask or its values are
-    traced."""
+    """Where some device's pair visits a block of `block_mask` (the whole sequence's, [Bm, Hm,
+    L, L]): the steps, those where every device's does, and which key blocks; every step,
+    whole shards, where there is no BlockMask or its values are traced."""
     if block_mask is None or num_devices == 1 or any(
             isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(block_mask)):
         return every_step(num_devices)
@@ -58,7 +70,15 @@ def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -
         rows = [blocks(d, block_mask.block_size[0]) for d in range(num_devices)]
         columns = [blocks(d, block_mask.block_size[1]) for d in range(num_devices)]
     visited = visited.any(axis=(0, 1))
-    work = np.array([[visited[np.ix_(rows[d], columns[(d - step) % num_devices])].any()
+    # [step, device, key block of the shard in hand]: visited by the device's queries
+    used = np.array([[visited[np.ix_(rows[d], columns[(d - step) % num_devices])].any(axis=0)
                       for d in range(num_devices)] for step in range(num_devices)])
-    return RingSchedule(tuple(np.flatnonzero(work.any(axis=1)).tolist()),
-                        frozenset(np.flatnonzero(work.all(axis=1)).tolist()))
+    work = used.any(axis=2)
+    steps = tuple(np.flatnonzero(work.any(axis=1)).tolist())
+    kept = []
+    for step in steps:
+        needed = np.flatnonzero(used[step].any(axis=0))
+        kept.append(None if step == 0 or needed.size == used.shape[2] else
+                    tuple(needed.tolist()))
+    return RingSchedule(steps, frozenset(np.flatnonzero(work.all(axis=1)).tolist()),
+                        tuple(kept), block_mask.block_size[1])
