@@ -222,19 +222,25 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                 q, k, v, out, lse, d_out, d_lse, pair.score, block_mask,
                 score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
                 implementation=ring.implementation)
-            parts = [dq_p, dk_p, dv_p, *(d for d, f in zip(d_caps_p, floats) if f)]
-            return ring.pair_typed([x.astype(jnp.float32) for x in parts], q, k, v)
+            # dK/dV parts as the kernels give them, in k's and v's dtype (no precision to
+            # lose on the way home)
+            parts = [dq_p.astype(jnp.float32), dk_p.astype(k.dtype), dv_p.astype(v.dtype),
+                     *(d.astype(jnp.float32) for d, f in zip(d_caps_p, floats) if f)]
+            return ring.pair_typed(parts, q, k, v)
 
         def skip(k, v):
-            return ring.pair_typed([jnp.zeros(x.shape, jnp.float32)
-                                    for x in (q, k, v, *d_caps)], q, k, v)
+            return ring.pair_typed([jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k),
+                                    jnp.zeros_like(v),
+                                    *(jnp.zeros(x.shape, jnp.float32) for x in d_caps)],
+                                   q, k, v)
 
         parts = (attend(k_in, v_in) if step in ring.schedule.everywhere else
                  lax.cond(visited_blocks(block_mask) > 0, attend, skip, k_in, v_in))
         # the dK/dV part goes straight back to the keys' device (sent while the next step
         # computes)
         dk_part, dv_part = ring.returned(i, parts[1:3], Lc)
-        dq, dk, dv = dq + parts[0], dk + dk_part, dv + dv_part
+        dq, dk, dv = dq + parts[0], dk + dk_part.astype(jnp.float32), dv + dv_part.astype(
+            jnp.float32)
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
