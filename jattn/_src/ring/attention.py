@@ -98,6 +98,14 @@ class _Ring:
             return parts
         return [_placed(x, positions, shard, 2) for x in parts]
 
+    def attended(self, i: int, has_blocks, attend: Callable, skip: Callable, *args):
+        """attend(*args) for the i-th scheduled step, or skip(*args) on a device whose pair
+        visits no block (`has_blocks`, traced): tested only at steps where some device's
+        pair may be empty (a conditional, whose predicate a GPU's host reads)."""
+        if self.schedule.steps[i] in self.schedule.everywhere:
+            return attend(*args)
+        return lax.cond(has_blocks, attend, skip, *args)
+
     def pair_typed(self, xs, *operands) -> list:
         """xs cast to vary over every mesh axis a pair's result may: the operands' and the
         ring's own (the pairs' mods read the device index), so both branches of a skip agree."""
@@ -166,7 +174,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     tables = _dense_tables(whole_mask, n)
     steps = ring.schedule.steps
     in_hand = ring.fetch(0, k, v, tokens) if steps else None
-    for i, step in enumerate(steps):
+    for i in range(len(steps)):
         k_in, v_in, *tokens_in = in_hand
         pair = ring.pair(i, score_caps, mask_caps, tokens, tokens_in, Lc)
         block_mask = ring.pair_block_mask(i, pair, whole_mask, tables, B, Hq, Lc)
@@ -186,8 +194,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         # The next step's keys are sent while this one's are attended to.
         if i + 1 < len(steps):
             in_hand = ring.fetch(i + 1, k, v, tokens)
-        step_out, step_lse = (attend(k_in, v_in) if step in ring.schedule.everywhere else
-                              lax.cond(blocks > 0, attend, skip, k_in, v_in))
+        step_out, step_lse = ring.attended(i, blocks > 0, attend, skip, k_in, v_in)
         out, lse = _merge(out, lse, step_out, step_lse)
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
@@ -209,7 +216,7 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                               for c, f in zip(score_caps, floats) if f], q, k, v)
     steps = ring.schedule.steps
     in_hand = ring.fetch(0, k, v, tokens) if steps else None
-    for i, step in enumerate(steps):
+    for i in range(len(steps)):
         k_in, v_in, *tokens_in = in_hand
         pair = ring.pair(i, varying_caps, mask_caps, tokens, tokens_in, Lc)
         saved = block_masks[i]
@@ -234,8 +241,7 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                                     *(jnp.zeros(x.shape, jnp.float32) for x in d_caps)],
                                    q, k, v)
 
-        parts = (attend(k_in, v_in) if step in ring.schedule.everywhere else
-                 lax.cond(visited_blocks(block_mask) > 0, attend, skip, k_in, v_in))
+        parts = ring.attended(i, visited_blocks(block_mask) > 0, attend, skip, k_in, v_in)
         # the dK/dV part goes straight back to the keys' device (sent while the next step
         # computes)
         dk_part, dv_part = ring.returned(i, parts[1:3], Lc)

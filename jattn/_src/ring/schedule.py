@@ -5,9 +5,9 @@ At ring step s device d attends its queries to the keys of device (d − s) mod 
 BlockMask whose values are known while the ring is traced (built outside the jitted step, as
 usual) says which of those pairs visit no block; a step empty on every device sends nothing and
 launches nothing. Packed documents that end at shard boundaries leave every step but the first
-empty. Where the mask's
-values are not known (a BlockMask built inside the traced function, or a mask_mod, whose pairs
-are built per device) every step runs, empty pairs still launching no kernel.
+empty. Where the mask's values are not known (a BlockMask built inside the traced function, or
+a mask_mod, whose pairs are built per device) every step runs, empty pairs still launching no
+kernel.
 
 Of a step that runs, only the key blocks some device's pair visits travel (a document that
 crosses a shard boundary needs its own blocks of the neighbour's shard, not the whole shard),
