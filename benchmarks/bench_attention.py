@@ -131,7 +131,7 @@ def bench_case(name, B, H, L, D, kind) -> dict:
     row = {"case": name, "mask": kind, "create_block_mask_s": mask_s,
            "jattn": _jax_fwd_bwd(lambda q, k, v: jattn.flex_attention(q, k, v, score_mod,
                                                                       block_mask), sets, flops)}
-    try:  # the Mosaic GPU forward (Triton backward behind it), where it supports the call
+    try:  # the Mosaic GPU forward and backward, where they support the call
         row["jattn_mosaic"] = _jax_fwd_bwd(lambda q, k, v: jattn.flex_attention(
             q, k, v, score_mod, block_mask, implementation="pallas_mosaic_gpu"), sets, flops)
     except ValueError as error:

@@ -52,8 +52,8 @@ def launches_directly(implementation: str) -> bool:
 
 
 def backward_launches_directly(implementation: str) -> bool:
-    """Whether flex_attention's backward on the implementation is pallas_triton's kernels (the
-    Mosaic GPU forward's is), which the torch ops may launch without JAX's dispatch."""
+    """Whether flex_attention's backward on the implementation is pallas_triton's kernels,
+    which the torch ops may launch without JAX's dispatch."""
     found = backends.implementations("flex_attention")
     return (not backends.BACKENDS[implementation].interpret
             and found[implementation].module.backward is found["pallas_triton"].module.backward)

@@ -435,11 +435,18 @@ def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv
 
 @gpu
 def test_is_bitwise_repeatable():
+    """Forward and backward: no atomics, so two runs agree to the bit."""
     q, k, v = _inputs(2, 8, 2, 1024, 128, jnp.bfloat16, seed=3)
     mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 1024, 1024)
-    attention = jax.jit(lambda q, k, v: jattn.flex_attention(
-        q, k, v, _softcap, mask, enable_gqa=True, implementation=MOSAIC))
-    assert_bitwise_equal_runs(lambda: attention(q, k, v))
+    cotangent = random(np.random.default_rng(4), q.shape, q.dtype)
+
+    @jax.jit
+    def attention_and_gradients(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: jattn.flex_attention(
+            q, k, v, _softcap, mask, enable_gqa=True, implementation=MOSAIC), q, k, v)
+        return out, vjp(cotangent)
+
+    assert_bitwise_equal_runs(lambda: attention_and_gradients(q, k, v))
 
 
 @gpu
@@ -454,3 +461,33 @@ def test_captured_arrays_are_read_at_each_call():
 
         block_mask = jattn.create_block_mask(jattn.masks.document_mask(ids), 2, None, 512, 512)
         check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)
+
+
+@pytest.mark.parametrize("kv_batch, score_mod, reduce_add_dq, mosaic_kernels", [
+    (2, None, False, 3),
+    (2, jattn.mods.alibi(_SLOPES), False, 3),  # its gradient reads the slopes too
+    (2, jattn.mods.alibi(_SLOPES), True, 2),  # dQ reduce-added by the dK/dV kernel
+    (1, None, False, 1),  # a broadcast k/v batch: pallas_triton's backward, fp32 per batch
+])
+def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, monkeypatch,
+                                                             request, kv_batch, score_mod,
+                                                             reduce_add_dq, mosaic_kernels):
+    pytest.importorskip("absl")
+    from jattn._src.attention import pallas_mosaic_gpu_bwd
+
+    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_DQ", reduce_add_dq)
+    jattn.clear_caches()  # programs planned under the other setting
+    request.addfinalizer(jattn.clear_caches)
+    B, Hq, L, E = 2, 4, 512, 128
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+
+    def gradients(q, k, v):
+        def attention(q, k, v):
+            return jattn.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                        implementation=MOSAIC)
+        return jax.vjp(attention, q, k, v)[1](jnp.ones((B, Hq, L, E), jnp.bfloat16))
+
+    text = lower_for_cuda(gradients, _spec(B, Hq, L, E), _spec(kv_batch, 2, L, E),
+                          _spec(kv_batch, 2, L, E))
+    assert ("jattn_flex_bwd_dq" in text) == (mosaic_kernels == 1)
+    assert text.count("mosaic_gpu") == 10 * mosaic_kernels  # each kernel names it ten times

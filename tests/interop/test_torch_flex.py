@@ -24,20 +24,25 @@ def _qkv(dtype=torch.float32, device="cpu"):
             for s in shapes]
 
 
-def _check_bitwise(dtype, device, implementation):
-    q, k, v = _qkv(dtype, device)
+def _check_bitwise(dtype, device, implementation, *, length=L, head_dim=E, block=64):
+    """The torch op (out, LSE, autograd gradients of random cotangents) against jattn run on
+    the same arrays by `implementation`, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen).to(dtype=dtype, device=device).requires_grad_()
+               for s in [(B, HQ, length, head_dim), (B, HKV, length, head_dim),
+                         (B, HKV, length, head_dim)])
     score_mod = jattn.mods.alibi(jattn.mods.alibi_slopes(HQ))
-    block_mask = jt.create_block_mask(jattn.masks.sliding_window(90), None, None, L, L,
-                                      BLOCK_SIZE=64, device=device)
+    block_mask = jt.create_block_mask(jattn.masks.sliding_window(90), None, None, length,
+                                      length, BLOCK_SIZE=block, device=device)
     out, lse = jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
-                                 return_lse=True)
+                                 return_lse=True, implementation=implementation)
     gen = torch.Generator().manual_seed(1)
     d_out = torch.randn(out.shape, generator=gen).to(out)
     d_lse = torch.randn(lse.shape, generator=gen).to(lse)
     torch.autograd.backward((out, lse), (d_out, d_lse))
 
-    jmask = jattn.create_block_mask(jattn.masks.sliding_window(90), None, None, L, L,
-                                    block_size=64)
+    jmask = jattn.create_block_mask(jattn.masks.sliding_window(90), None, None, length, length,
+                                    block_size=block)
 
     def run(q, k, v):
         return jattn.flex_attention(q, k, v, score_mod, jmask, enable_gqa=True,
@@ -61,6 +66,17 @@ def test_bitwise_equal_to_jattn():
 @pytest.mark.gpu
 def test_bitwise_equal_to_jattn_on_cuda():
     _check_bitwise(torch.bfloat16, "cuda", "pallas_triton")
+
+
+@pytest.mark.gpu
+def test_bitwise_equal_to_jattn_on_mosaic_gpu():
+    """Hopper: the Mosaic forward and backward, the backward through JAX's dispatch."""
+    from jattn._src import hardware
+
+    if not hardware.is_hopper():
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    _check_bitwise(torch.bfloat16, "cuda", "pallas_mosaic_gpu", length=512, head_dim=64,
+                   block=128)
 
 
 @pytest.mark.gpu

@@ -1,15 +1,18 @@
-"""flex_attention with its forward on Mosaic GPU (Hopper) and its backward on Pallas-Triton.
+"""flex_attention on Mosaic GPU (Hopper).
 
-The forward kernel (`pallas_mosaic_gpu_fwd`) feeds K/V tiles by TMA to two wgmma warpgroups.
-Its LSE follows the convention of the Triton kernels, so their backward runs behind it
-unchanged. What it supports is narrower than pallas_triton's, and `unsupported` says so; the
-registry then falls back with that reason. Its mods read captured arrays by element and by
-position (`pallas_mosaic_gpu_mods`).
+The forward kernel (`pallas_mosaic_gpu_fwd`) feeds K/V tiles by TMA to two wgmma warpgroups;
+the backward kernels (`pallas_mosaic_gpu_bwd`) do the same for dQ and for dK/dV. Their LSE and
+delta follow the convention of the Triton kernels, so pallas_triton's backward runs behind the
+forward wherever the Mosaic backward does not (`backward_unsupported` says why). What the
+forward supports is narrower than pallas_triton's, and `unsupported` says so; the registry
+then falls back with that reason. The mods read captured arrays by element and by position
+(`pallas_mosaic_gpu_mods`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -102,10 +105,27 @@ def slower(*, head_dim=None, seq_lengths=None, score_mod=None, torch_eager_work=
     return None
 
 
-def _tile_signature():
-    index = jax.ShapeDtypeStruct(TILE, jnp.int32)
+# The dK/dV kernel's register tile: [keys, queries] of one consumer warpgroup.
+DKDV_TILE = (64, 64)
+
+
+def _tile_signature(tile=TILE):
+    index = jax.ShapeDtypeStruct(tile, jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    return jax.ShapeDtypeStruct(TILE, jnp.float32), (scalar, scalar, index, index)
+    return jax.ShapeDtypeStruct(tile, jnp.float32), (scalar, scalar, index, index)
+
+
+def backward_unsupported(p: Problem, dq_mods: Mods, dkdv_mods: Mods) -> str | None:
+    """Why the Mosaic GPU backward cannot run a call the forward runs (None when it can);
+    pallas_triton's backward then runs behind the forward."""
+    if p.kv_batch != p.B:
+        return (f"it takes k/v with q's batch ({p.B}), not a broadcast batch of "
+                f"{p.kv_batch}.")
+    for mods, tile in ((dq_mods, TILE), (dkdv_mods, DKDV_TILE)):
+        unreadable = in_kernel.unreadable(mods, (p.L, p.S), tile)
+        if unreadable is not None:
+            return f"{unreadable}."
+    return None
 
 
 def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_set: CaptureSet,
@@ -123,19 +143,25 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
         raise NotImplementedError(f"flex_attention: implementation='pallas_mosaic_gpu' reads "
                                   f"captured arrays by element or by position, and "
                                   f"{unreadable}; use implementation='pallas_triton'.")
-    return dataclasses.replace(p, fwd=fwd, decode=None)
+    mosaic_backward = tuple(trace_mods(score_mod, mask_mod, score_set, mask_set,
+                                       *_tile_signature(tile))
+                            for tile in (TILE, DKDV_TILE))
+    if backward_unsupported(p, *mosaic_backward) is not None:
+        mosaic_backward = None
+    return dataclasses.replace(p, fwd=fwd, decode=None, mosaic_backward=mosaic_backward)
 
 
-def _kernel_mod(fn, avals, seq_lengths):
-    """A traced mod as the kernel calls it: (its captures' refs, *arguments before q_idx,
-    the tile's first q and kv positions) -> value."""
+def _kernel_mod(fn, avals, seq_lengths, tile=TILE, *, transposed=False, trailing=0):
+    """A traced mod as a kernel calls it: (its captures' refs, *arguments before q_idx,
+    the tile's first q and kv positions, *`trailing` arguments after them) -> value."""
     if fn is None:
         return None
 
     def call(refs, *args):
-        *leading, q0, kv0 = args
-        return in_kernel.call_in_kernel(fn, refs, avals, leading, (q0, kv0), seq_lengths,
-                                        TILE)[0]
+        *leading, q0, kv0 = args[:len(args) - trailing]
+        return in_kernel.call_in_kernel(fn, refs, avals, leading, (q0, kv0), seq_lengths, tile,
+                                        transposed=transposed,
+                                        trailing=args[len(args) - trailing:])[0]
 
     return call
 
@@ -159,4 +185,27 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
                           _kernel_mod(mods.mask, avals[len(score_caps):], (p.L, p.S)))
 
 
-backward = pallas_triton.backward
+def backward(p: Problem, res, d_out, d_lse):
+    """(dq, dk, dv, d_score_captures) of the custom_vjp's residuals `res` (attention.api)."""
+    if p.mosaic_backward is None:
+        return pallas_triton.backward(p, res, d_out, d_lse)
+    # Imported here, as in `forward`.
+    from jattn._src.attention import pallas_mosaic_gpu_bwd as kernel
+    from jattn._src.attention import pallas_triton_bwd
+    from jattn._src.pallas_triton.compile import compiler_params
+
+    delta, lse2 = pallas_triton_bwd.delta_and_lse2(
+        p, res.out, res.lse, d_out, d_lse, compiler_params(4, 1, compiler=p.config.bwd_compiler))
+    n_score = len(res.score_captures)
+    avals = [jax.typeof(c) for c in (*res.score_captures, *res.mask_captures)]
+    score_avals, mask_avals = avals[:n_score], avals[n_score:]
+    fns = []
+    for mods, tile, transposed in zip(p.mosaic_backward, (TILE, DKDV_TILE), (False, True)):
+        mod = functools.partial(_kernel_mod, seq_lengths=(p.L, p.S), tile=tile,
+                                transposed=transposed)
+        fns.append((mod(mods.score, score_avals), mod(mods.score_vjp, score_avals, trailing=1),
+                    mod(mods.mask, mask_avals)))
+    dq, dk, dv = kernel.backward(p, res.lists, res.q, res.k, res.v, d_out, lse2, delta,
+                                 [_kernel_operand(c) for c in res.score_captures],
+                                 [_kernel_operand(c) for c in res.mask_captures], *fns)
+    return dq, dk, dv, pallas_triton.captured_gradients(p, res, d_out, d_lse)

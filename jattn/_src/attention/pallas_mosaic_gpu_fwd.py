@@ -25,9 +25,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import hardware
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, operand_transforms,
+                                                           stream_keys, tile_of)
 from jattn._src.constants import LOG2_E, MASK_VALUE
 
-SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
 # from one into the next: on the H100, 8 is faster than 1 on full and document masks and no
 # slower on causal ones. Without a BlockMask every tile has the same work, and 16 is a little
@@ -52,10 +53,6 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     block_q, bkv = BLOCK
     stages = STAGES[p.E]
     rows = p.L // block_q
-    # Each BlockMask row (of a mask batch and head) stands for the tiles of every batch and
-    # head it is shared by, heads varying fastest.
-    shared_b = 1 if p.mask_batch > 1 else p.B
-    shared_h = 1 if p.mask_heads > 1 else p.Hq
     program = lax.axis_index("programs")
     tiles = p.B * rows * p.Hq
     programs = -(-tiles // group)
@@ -63,37 +60,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
         n_tiles = jnp.minimum(group, lax.div(tiles - program + programs - 1, programs))
     else:
         n_tiles = jnp.minimum(group, tiles - program * group)
+    lists = BlockLists(p, list_refs, has_full)
 
     def tile(i):
-        """(b, h, row) of this program's tile i: the tiles in `order_ref`'s order of BlockMask
-        rows, `group` consecutive ones per program, or `dealt` round the programs (program p
-        takes tiles p, p + programs, ...)."""
-        t = i * programs + program if dealt else program * group + i
-        entry = order_ref[lax.div(t, shared_b * shared_h)]
-        shared = lax.rem(t, shared_b * shared_h)
-        if p.mask_batch > 1:
-            b = lax.div(entry, p.mask_heads * rows)
-        else:
-            b = lax.div(shared, shared_h)
-        if p.mask_heads > 1:
-            h = lax.rem(lax.div(entry, rows), p.mask_heads)
-        else:
-            h = lax.rem(shared, shared_h)
-        return b, h, lax.rem(entry, rows)
-
-    def walk(b, h, row):
-        """The BlockMask row's list owner, its partial-block count and its step count."""
-        owner = (b if p.mask_batch > 1 else 0, h if p.mask_heads > 1 else 0, row)
-        partial = list_refs[0][owner]
-        return owner, partial, partial + (list_refs[2][owner] if has_full else 0)
-
-    def kv_block(owner, partial, step):
-        """The kv block index of loop step `step`: partial blocks first, then full ones."""
-        if not has_full:
-            return list_refs[1][(*owner, step)]
-        # Both reads stay inside the lists: step < partial + full <= the row's length.
-        return jnp.where(step < partial, list_refs[1][(*owner, step)],
-                         list_refs[3][(*owner, jnp.maximum(step - partial, 0))])
+        """(b, h, row) of this program's tile i: `group` consecutive tiles per program, or
+        `dealt` round the programs (program p takes tiles p, p + programs, ...)."""
+        return tile_of(p, order_ref, i * programs + program if dealt else program * group + i,
+                       rows)
 
     def slot_of(count):
         return lax.rem(count, jnp.int32(stages))
@@ -128,7 +101,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
             def one_tile(i, done):
                 """Local tile i, after `done` K/V blocks: its output and LSE."""
                 b, h, row = tile(i)
-                owner, partial, steps = walk(b, h, row)
+                owner, partial, steps = lists.walk(b, h, row)
                 q0 = row * block_q + wg * ROWS
                 buffer = lax.rem(i, 2)
                 q_smem = q_smem3.at[buffer, wg]
@@ -160,7 +133,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                     if not fold_scale:
                         s = s * p.scale
                     if score_fn is not None or (apply_mask and mask_fn is not None):
-                        kv0 = kv_block(owner, partial, step) * bkv
+                        kv0 = lists.block(owner, partial, step) * bkv
                         if score_fn is not None:
                             s = score_fn(score_refs, s, b, h, q0, kv0)
                         if apply_mask and mask_fn is not None:
@@ -219,29 +192,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
 
             def one_tile(i, done):
                 b, h, row = tile(i)
-                owner, partial, steps = walk(b, h, row)
-                kv_b = b if p.kv_batch > 1 else 0
-                kv_h = lax.div(h, jnp.int32(p.Hq // p.Hkv))
-
-                @pl.loop(0, steps)
-                def _(step):
-                    count = done + step
-                    slot = slot_of(count)
-
-                    @pl.when(count >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    keys = (kv_b, kv_h, pl.ds(kv_block(owner, partial, step) * bkv, bkv))
-                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_ready.at[slot])
-
-                return done + steps
+                walk = lists.walk(b, h, row)
+                stream_keys(p, lists, b, h, walk, done, (k_ref, v_ref), (k_smem, v_smem),
+                            (k_ready, v_ready), (k_free, v_free), bkv)
+                return done + walk[2]
 
             lax.fori_loop(0, n_tiles, one_tile, jnp.int32(0))
 
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+    transforms = operand_transforms()
     pl.run_scoped(
         lambda buffers, ready, free, schedule: body(*buffers, *ready, *free, schedule),
         (plgpu.SMEM((2, CONSUMERS, ROWS, p.E), dtype, transforms=transforms),

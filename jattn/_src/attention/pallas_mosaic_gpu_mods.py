@@ -1,9 +1,10 @@
-"""User mods in the Mosaic GPU forward: captured arrays read by scalar and vector loads, and tanh
-kept accurate under the kernel's approximate math.
+"""User mods in the Mosaic GPU kernels: captured arrays read by scalar and vector loads, and tanh
+kept accurate under the kernels' approximate math.
 
-The forward evaluates mods on [64, 128] register tiles in the wgmma layout. Mosaic GPU cannot
-gather into that layout, so a mod is evaluated with three kinds of values kept symbolic until an
-operation needs a tile:
+The kernels evaluate mods (and the backward, score_mod's gradient) on register tiles in the
+wgmma layout: [64 queries, 128 keys] in the forward and dQ, [64 keys, 64 queries] in dK/dV.
+Mosaic GPU cannot gather into that layout, so a mod is evaluated with three kinds of values kept
+symbolic until an operation needs a tile:
 - q_idx and kv_idx, as the tile's first row or column plus an iota along it, with the bounds
   their values take over the call (`_Positions`);
 - scalars standing for arrays of one value (`_Uniform`): broadcasts of b, h and constants, and
@@ -11,8 +12,8 @@ operation needs a tile:
 - captured arrays left in global memory (`_InMemory`).
 Two kinds of reads then stay cheap: an element picked by scalars (`slopes[h]`, `bias[b, h]`, a
 one-element array used whole) is a scalar load, and a run along the last dimension picked by
-q_idx or kv_idx (`doc_ids[q_idx]`, `doc_ids[b, kv_idx]`) is a vector load of the tile's 64
-rows or 128 columns, broadcast over the tile. Any other read (`bias[q_idx - kv_idx]`, a row
+q_idx or kv_idx (`doc_ids[q_idx]`, `doc_ids[b, kv_idx]`) is a vector load along the tile's
+queries or keys, broadcast over the tile. Any other read (`bias[q_idx - kv_idx]`, a row
 used whole) raises `Unreadable` naming it. `unreadable` evaluates the mods the same way with
 loads left abstract, so that the registry sends such calls to pallas_triton with that reason.
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import operator
 from collections.abc import Sequence
@@ -92,13 +92,11 @@ class _Kernel:
     def run(self, ref, start, tile, axis, dtype):
         from jax.experimental import pallas as pl
         from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        from jattn._src.attention.pallas_mosaic_gpu_tiles import load_vector
         # The tile's rows vary along axis 0: their values sit in the layout of a row reduction.
-        layout = plgpu.Layout.WGMMA.reduce(1 - axis)
-        run = ref.at[pl.ds(pl.multiple_of(start, _ALIGNMENT), tile[axis])]
-        # jax 0.11 takes the ref alone (an index beside it is deprecated); 0.10 needs one.
-        index = inspect.signature(plgpu.load).parameters["idx"].default
-        vector = plgpu.load(run, *([()] if index is inspect.Parameter.empty else []),
-                            layout=layout, optimized=False)
+        vector = load_vector(ref.at[pl.ds(pl.multiple_of(start, _ALIGNMENT), tile[axis])],
+                             plgpu.Layout.WGMMA.reduce(1 - axis))
         return lax.broadcast_in_dim(vector, tile, [axis])
 
 
@@ -378,10 +376,13 @@ def _rewrite(env: _Kernel, primitive, operands, params, out_avals) -> list[Any] 
     name = primitive.name
     if name in _NESTED:
         return None
+    renamed = name == "add_any"  # a gradient's sum of cotangents: Mosaic GPU lowers add
+    if renamed:
+        primitive, name = lax.add_p, "add"
     if not any(isinstance(x, Deferred) for x in operands):
         if name == "broadcast_in_dim" and jnp.ndim(operands[0]) == 0:
             return [_uniform(operands[0], params["shape"])]
-        return [_bind(primitive, operands, params)] if name == "tanh" else None
+        return [_bind(primitive, operands, params)] if name == "tanh" or renamed else None
     out = (_elementwise(primitive, operands, params) if name in _ELEMENTWISE
            else _structural(name, operands, params))
     if out is not None:
@@ -392,27 +393,34 @@ def _rewrite(env: _Kernel, primitive, operands, params, out_avals) -> list[Any] 
 
 def _evaluate(fn: TracedFunction, env: _Kernel, refs: Sequence[Any], avals: Sequence[Any],
               leading: Sequence[Any], starts: Sequence[Any], seq_lengths: Sequence[int],
-              tile: tuple[int, int]) -> list[Any]:
+              tile: tuple[int, int], transposed: bool = False,
+              trailing: Sequence[Any] = ()) -> list[Any]:
     captures = [None if aval is None else
                 _InMemory(ref, tuple(aval.shape), aval.dtype, env)
                 for ref, aval in zip(refs, avals)]
+    axes = (1, 0) if transposed else (0, 1)
     positions = [_Positions(axis, start, 0, length, tile, tile)
-                 for axis, (start, length) in enumerate(zip(starts, seq_lengths))]
-    outputs = fn(captures, *leading, *positions, rewrite=functools.partial(_rewrite, env))
+                 for axis, start, length in zip(axes, starts, seq_lengths)]
+    outputs = fn(captures, *leading, *positions, *trailing,
+                 rewrite=functools.partial(_rewrite, env))
     return [_array(env, out, "the mod's result") for out in outputs]
 
 
 def call_in_kernel(fn: TracedFunction, refs: Sequence[Any], avals: Sequence[Any],
                    leading: Sequence[Any], starts: Sequence[Any], seq_lengths: Sequence[int],
-                   tile: tuple[int, int]) -> list[Any]:
-    """A traced mod's outputs in the kernel body, on a `tile` whose first row and column are
-    the positions `starts` (int32 scalars) of sequences of `seq_lengths` (L, S).
+                   tile: tuple[int, int], *, transposed: bool = False,
+                   trailing: Sequence[Any] = ()) -> list[Any]:
+    """A traced mod's outputs in the kernel body, on a `tile` whose first query and key are
+    the positions `starts` (int32 scalars) of sequences of `seq_lengths` (L, S): queries along
+    axis 0 and keys along axis 1, or the other way round when `transposed`.
 
     refs: the call's captured arrays in global memory, flattened (capture-list order), with
     `avals` their shapes and dtypes; leading: the mod's arguments before q_idx and kv_idx
-    ((score, b, h) or (b, h)). Raises Unreadable for a read it cannot make.
+    ((score, b, h) or (b, h)), trailing: those after them (a score_mod vjp's cotangent).
+    Raises Unreadable for a read it cannot make.
     """
-    return _evaluate(fn, _Kernel(), refs, avals, leading, starts, seq_lengths, tile)
+    return _evaluate(fn, _Kernel(), refs, avals, leading, starts, seq_lengths, tile,
+                     transposed, trailing)
 
 
 def unreadable(mods: Mods, seq_lengths: Sequence[int], tile: tuple[int, int]) -> str | None:
@@ -420,9 +428,11 @@ def unreadable(mods: Mods, seq_lengths: Sequence[int], tile: tuple[int, int]) ->
     cannot make, described (`mask_mod reads a captured f32[16,1024] array through a gather
     with an index per score`); None when it can make them all."""
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    for name, fn, leading in (
-            ("score_mod", mods.score, [jax.ShapeDtypeStruct(tile, jnp.float32), index, index]),
-            ("mask_mod", mods.mask, [index, index])):
+    score = jax.ShapeDtypeStruct(tile, jnp.float32)
+    for name, fn, leading, trailing in (
+            ("score_mod", mods.score, [score, index, index], []),
+            ("score_mod's gradient", mods.score_vjp, [score, index, index], [score]),
+            ("mask_mod", mods.mask, [index, index], [])):
         if fn is None:
             continue
         consts = jaxpr_and_consts(fn.closed_jaxpr)[0].constvars
@@ -430,12 +440,12 @@ def unreadable(mods: Mods, seq_lengths: Sequence[int], tile: tuple[int, int]) ->
         for slot, var in zip(fn.capture_slots, consts):
             avals[slot] = var.aval
 
-        def abstract(leading, starts, fn=fn, avals=avals):
+        def abstract(leading, starts, trailing, fn=fn, avals=avals):
             return _evaluate(fn, _Abstract(), [None] * len(avals), avals, leading, starts,
-                             seq_lengths, tile)
+                             seq_lengths, tile, trailing=trailing)
 
         try:
-            jax.eval_shape(abstract, leading, [index, index])
+            jax.eval_shape(abstract, leading, [index, index], trailing)
         except Unreadable as error:
             return f"{name} reads {error}"
     return None

@@ -58,11 +58,15 @@ def backward(p: Problem, res, d_out, d_lse):
     dq, dk, dv = pallas_triton_bwd.backward(p, res.q, res.k, res.v, res.lists,
                                             res.score_captures, res.mask_captures, res.out,
                                             res.lse, d_out, d_lse)
-    d_caps = [None] * len(res.score_captures)
-    if any(res.differentiated):
-        # Gradients of captured arrays: an XLA pass over key blocks, run only when some
-        # captured array is being differentiated.
-        *_, d_caps = xla.gradients(p, res.q, res.k, res.v, res.lists, res.score_captures,
-                                   res.mask_captures, res.out, res.lse, d_out, d_lse,
-                                   res.differentiated, operand_grads=False)
-    return dq, dk, dv, d_caps
+    return dq, dk, dv, captured_gradients(p, res, d_out, d_lse)
+
+
+def captured_gradients(p: Problem, res, d_out, d_lse) -> list:
+    """The gradients of the score_mod's captured arrays (None for those not differentiated):
+    an XLA pass over key blocks, run only when some captured array is being differentiated."""
+    if not any(res.differentiated):
+        return [None] * len(res.score_captures)
+    *_, d_caps = xla.gradients(p, res.q, res.k, res.v, res.lists, res.score_captures,
+                               res.mask_captures, res.out, res.lse, d_out, d_lse,
+                               res.differentiated, operand_grads=False)
+    return d_caps

@@ -75,7 +75,8 @@ def _delta_kernel(*refs, p: Problem, rows: int):
     tiles.store_vector(lse2_ref, here, jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E), q0, p.L)
 
 
-def _delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
+def delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
+    """(delta, lse2) [B, Hq, L] float32: rowsum(O ∘ dO) - d_lse and the LSE in base 2."""
     rows = 64
     ev_pad = tiles.padded(p.Ev)
 
@@ -195,8 +196,8 @@ def backward(p: Problem, q, k, v, masks: MaskLists, score_caps, mask_caps, out, 
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     q_span = tiles.cdiv(p.L, p.mask_block[0]) * p.mask_block[0]
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
-    delta, lse2 = _delta_and_lse2(p, out, lse, d_out, d_lse,
-                                  compiler_params(4, 1, compiler=cfg.bwd_compiler))
+    delta, lse2 = delta_and_lse2(p, out, lse, d_out, d_lse,
+                                 compiler_params(4, 1, compiler=cfg.bwd_compiler))
     params = compiler_params(cfg.bwd_num_warps, cfg.bwd_num_stages, compiler=cfg.bwd_compiler)
     interpret = p.interpret
     caps = (*score_caps, *mask_caps)

@@ -1,0 +1,396 @@
+"""Flex attention backward kernels on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
+
+Two kernels after pallas_triton's delta pass (delta = rowsum(O ∘ dO) − d_lse and the LSE in base
+2), each recomputing the probabilities P = exp2(S·c − lse₂); no atomics, so the gradients are
+bitwise repeatable:
+- dQ: a program per 128-query tile (batch, BlockMask row, query head), the rows with the most
+  blocks first. A producer warpgroup streams the row's listed K/V blocks by TMA into a ring of
+  shared-memory slots; two consumer warpgroups own 64 query rows each, compute S = Q·Kᵀ and
+  dP = dO·Vᵀ with wgmma, dS = P ∘ (dP − delta) (through score_mod's gradient), and accumulate
+  dQ += dS·K with dS taken from registers.
+- dK/dV: a program per 128-key tile (batch, kv head, BlockMask column), each consumer owning 64
+  keys held in shared memory. For each of the G query heads of its kv head, the producer
+  streams the column's listed query blocks in 64-row halves (Q, dO, lse₂, delta); the consumers
+  compute the transposed tiles Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ and accumulate dV += Pᵀ·dO and
+  dK += dSᵀ·Q from registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._src.attention.common import Problem
+from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, BlockLists,
+                                                           load_vector, operand_transforms,
+                                                           stream_keys, tile_of)
+from jattn._src.constants import LOG2_E
+from jattn._src.masks.block_mask import MaskLists
+
+KEYS = 64  # keys per consumer warpgroup in the dK/dV kernel
+QUERIES = 64  # queries per dK/dV step: half a BlockMask block
+DQ_STAGES = {64: 3, 128: 2}  # K/V slots of the dQ kernel by head dim (shared memory)
+DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
+# An experiment not offered through the API: dQ from the dK/dV kernel, each step's part
+# reduce-added by TMA into a float32 accumulator (five products where the two kernels run
+# seven, but the additions' order, and so the rounding, varies between runs). H100: 1.14x the
+# two kernels at head dim 64, 0.72x at 128 (benchmarks/RESULTS.md).
+REDUCE_ADD_DQ = False
+
+
+def _dkdv_stages(p: Problem, reduce_dq: bool) -> int:
+    # dQ's staging buffers (16 KiB of dS and 64 KiB of float32 dQ at head dim 128) leave room
+    # for two Q/dO slots at head dim 128.
+    return 2 if reduce_dq and p.E > 64 else DKDV_STAGES
+
+
+def _split(refs, n_lists: int, n_captures: tuple[int, int], n_out: int):
+    lists = refs[:n_lists]
+    order = refs[n_lists]
+    score = refs[n_lists + 1:n_lists + 1 + n_captures[0]]
+    mask = refs[n_lists + 1 + n_captures[0]:n_lists + 1 + sum(n_captures)]
+    return lists, order, score, mask, refs[len(refs) - n_out:]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+    """One consumer's register tile of scores, either orientation (`query_axis`: the axis
+    along which its queries run), starting at the positions `starts` (q0, kv0)."""
+    p: Problem
+    fns: tuple  # (score_fn, score_vjp, mask_fn), each None where the call has none
+    refs: tuple  # (score_refs, mask_refs)
+    b: Any
+    h: Any
+    starts: tuple
+    apply_mask: bool
+    query_axis: int
+
+    def _along_queries(self, x, shape):
+        return lax.broadcast_in_dim(x, shape, [self.query_axis])
+
+    def probabilities(self, s, lse2):
+        """(P, the scaled score before score_mod, the mask or None) of unscaled scores s."""
+        p, (score_fn, _, mask_fn), (score_refs, mask_refs) = self.p, self.fns, self.refs
+        raw = s * p.scale
+        if score_fn is None:
+            # A positive scale folds into the exponent's factor: one multiply per score fewer.
+            t, factor = (s, p.scale * LOG2_E) if p.scale > 0 else (raw, LOG2_E)
+        else:
+            t, factor = score_fn(score_refs, raw, self.b, self.h, *self.starts), LOG2_E
+        keep = None
+        if self.apply_mask and mask_fn is not None:
+            keep = mask_fn(mask_refs, self.b, self.h, *self.starts)
+            t = jnp.where(keep, t, -jnp.inf)
+        return jnp.exp2(t * factor - self._along_queries(lse2, s.shape)), raw, keep
+
+    def score_gradient(self, prob, raw, keep, dp, delta):
+        """dS' = the gradient with respect to the scaled score before score_mod."""
+        ds = prob * (dp - self._along_queries(delta, dp.shape))
+        score_vjp = self.fns[1]
+        if score_vjp is not None:
+            ds = score_vjp(self.refs[0], raw, self.b, self.h, *self.starts, ds)
+            if keep is not None:
+                ds = jnp.where(keep, ds, 0.0)
+        return ds
+
+
+# ------------------------------------------------------------------------------------------------
+# dQ
+# ------------------------------------------------------------------------------------------------
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
+               has_full: bool, n_captures, fns, dtype):
+    list_refs, order_ref, score_refs, mask_refs, (dq_ref,) = _split(
+        refs, 4 if has_full else 2, n_captures, 1)
+    block_q, bkv = BLOCK
+    stages = DQ_STAGES[p.E]
+    lists = BlockLists(p, list_refs, has_full)
+    b, h, row = tile_of(p, order_ref, lax.axis_index("programs"), p.L // block_q)
+    owner, partial, steps = lists.walk(b, h, row)
+
+    def slot_of(step):
+        return lax.rem(step, jnp.int32(stages))
+
+    def body(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_free, v_free):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q0 = row * block_q + wg * ROWS
+            here = (b, h, pl.ds(q0, ROWS))
+            plgpu.copy_gmem_to_smem(q_ref.at[here], q_smem.at[wg], q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[here], do_smem.at[wg], q_ready.at[wg])
+            lse2 = load_vector(lse2_ref.at[here], ROW)
+            delta = load_vector(delta_ref.at[here], ROW)
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def accumulate(dq_acc):
+                def visit(step, apply_mask):
+                    slot = slot_of(step)
+                    kv0 = lists.block(owner, partial, step) * bkv
+                    tile = _Tile(p, fns, (score_refs, mask_refs), b, h, (q0, kv0), apply_mask,
+                                 query_axis=0)
+
+                    def products(s_acc, dp_acc):
+                        plgpu.barrier_wait(k_ready.at[slot])
+                        plgpu.wgmma(s_acc, q_smem.at[wg], k_smem.at[slot].T)
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        plgpu.wgmma(dp_acc, do_smem.at[wg], v_smem.at[slot].T)
+                        # P while dP is computed.
+                        prob, raw, keep = tile.probabilities(
+                            plgpu.wgmma_accumulator_load(s_acc, wait_n=1), lse2)
+                        dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
+                        plgpu.barrier_arrive(v_free.at[slot])
+                        return tile.score_gradient(prob, raw, keep, dp, delta)
+
+                    shape = plgpu.ACC((ROWS, bkv), jnp.float32)
+                    ds = pl.run_scoped(products, shape, shape)
+                    plgpu.wgmma(dq_acc, ds.astype(dtype), k_smem.at[slot])
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(k_free.at[slot])
+
+                pl.loop(0, partial)(functools.partial(visit, apply_mask=True))
+                if has_full:
+                    pl.loop(partial, steps)(functools.partial(visit, apply_mask=False))
+                return dq_acc[...]
+
+            dq = pl.run_scoped(accumulate, plgpu.ACC((ROWS, p.E), jnp.float32))
+            q_smem.at[wg][...] = (dq * p.scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[here])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+            stream_keys(p, lists, b, h, (owner, partial, steps), 0, (k_ref, v_ref),
+                        (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), bkv)
+
+    transforms = operand_transforms()
+    pl.run_scoped(
+        lambda buffers, ready, free: body(*buffers, *ready, *free),
+        (plgpu.SMEM((CONSUMERS, ROWS, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((CONSUMERS, ROWS, p.Ev), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bkv, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bkv, p.Ev), dtype, transforms=transforms)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2,
+        collective_axes="wg",
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# dK / dV
+# ------------------------------------------------------------------------------------------------
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
+                 has_full: bool, n_captures, fns, dtype, reduce_dq: bool):
+    # With reduce_dq, the inputs end with dq_accum [B, Hq, L, E] float32, which each step's
+    # dQ part (dS·K over the consumer's 64 keys) is added into by a TMA reduce-add.
+    list_refs, order_ref, score_refs, mask_refs, outs = _split(
+        refs, 4 if has_full else 2, n_captures, 3 if reduce_dq else 2)
+    dq_accum_ref, dk_ref, dv_ref = outs if reduce_dq else (None, *outs)
+    stages = _dkdv_stages(p, reduce_dq)
+    block_q, bkv = BLOCK
+    halves = block_q // QUERIES
+    lists = BlockLists(p, list_refs, has_full)
+    col = order_ref[lax.axis_index("columns")]
+    bh = lax.axis_index("heads")
+    b, hkv = lax.div(bh, jnp.int32(p.Hkv)), lax.rem(bh, jnp.int32(p.Hkv))
+
+    def slot_of(count):
+        return lax.rem(count, jnp.int32(stages))
+
+    def head_walk(g):
+        h = hkv * p.groups + g
+        return (h, *lists.walk(b, h, col))
+
+    def query_start(owner, partial, step):
+        return lists.block(owner, partial, lax.div(step, halves)) * block_q + lax.rem(
+            step, halves) * QUERIES
+
+    def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+             kv_ready, ready, free):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            kv0 = col * bkv + wg * KEYS
+            here = (b, hkv, pl.ds(kv0, KEYS))
+            plgpu.copy_gmem_to_smem(k_ref.at[here], k_smem.at[wg], kv_ready.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[here], v_smem.at[wg], kv_ready.at[wg])
+            plgpu.barrier_wait(kv_ready.at[wg])
+
+            def accumulate(dk_acc, dv_acc):
+                def head(g, done):
+                    h, owner, partial, steps = head_walk(g)
+
+                    def visit(step, apply_mask):
+                        slot = slot_of(done + step)
+                        q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+                        tile = _Tile(p, fns, (score_refs, mask_refs), b, h,
+                                     (query_start(owner, partial, step), kv0), apply_mask,
+                                     query_axis=1)
+
+                        def products(s_acc, dp_acc):
+                            plgpu.barrier_wait(ready.at[slot])
+                            plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
+                            plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
+                            lse2 = load_vector(lse_smem.at[slot], COLUMN)
+                            delta = load_vector(delta_smem.at[slot], COLUMN)
+                            # Pᵀ while dPᵀ is computed, then dSᵀ while dV is.
+                            prob, raw, keep = tile.probabilities(
+                                plgpu.wgmma_accumulator_load(s_acc, wait_n=1), lse2)
+                            plgpu.wgmma(dv_acc, prob.astype(dtype), do_tile)
+                            dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+                            return tile.score_gradient(prob, raw, keep, dp, delta)
+
+                        shape = plgpu.ACC((KEYS, QUERIES), jnp.float32)
+                        ds = pl.run_scoped(products, shape, shape).astype(dtype)
+                        plgpu.wgmma(dk_acc, ds, q_tile)
+                        if not reduce_dq:
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(free.at[slot])
+                            return
+                        ds_smem.at[wg][...] = ds
+                        plgpu.commit_smem()
+
+                        def dq_part(dq_acc):
+                            plgpu.wgmma(dq_acc, ds_smem.at[wg].T, k_smem.at[wg])
+                            return plgpu.wgmma_accumulator_load(dq_acc, wait_n=0)
+
+                        dq = pl.run_scoped(dq_part, plgpu.ACC((QUERIES, p.E), jnp.float32))
+                        plgpu.barrier_arrive(free.at[slot])
+                        # The last step's reduce-add has read the staging buffer.
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        dq_smem.at[wg][...] = dq
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            dq_smem.at[wg],
+                            dq_accum_ref.at[b, h, pl.ds(query_start(owner, partial, step),
+                                                        QUERIES)],
+                            reduction_op="add")
+
+                    pl.loop(0, partial * halves)(functools.partial(visit, apply_mask=True))
+                    if has_full:
+                        pl.loop(partial * halves, steps * halves)(
+                            functools.partial(visit, apply_mask=False))
+                    return done + steps * halves
+
+                lax.fori_loop(0, p.groups, head, jnp.int32(0))
+                return dk_acc[...], dv_acc[...]
+
+            dk, dv = pl.run_scoped(accumulate, plgpu.ACC((KEYS, p.E), jnp.float32),
+                                   plgpu.ACC((KEYS, p.Ev), jnp.float32))
+            k_smem.at[wg][...] = (dk * p.scale).astype(dtype)
+            v_smem.at[wg][...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[here])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[here])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def head(g, done):
+                h, owner, partial, steps = head_walk(g)
+
+                @pl.loop(0, steps * halves)
+                def _(step):
+                    count = done + step
+                    slot = slot_of(count)
+
+                    @pl.when(count >= stages)
+                    def _():
+                        plgpu.barrier_wait(free.at[slot])
+
+                    rows = (b, h, pl.ds(query_start(owner, partial, step), QUERIES))
+                    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
+                    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready.at[slot])
+                    plgpu.copy_gmem_to_smem(lse2_ref.at[rows], lse_smem.at[slot],
+                                            ready.at[slot])
+                    plgpu.copy_gmem_to_smem(delta_ref.at[rows], delta_smem.at[slot],
+                                            ready.at[slot])
+
+                return done + steps * halves
+
+            lax.fori_loop(0, p.groups, head, jnp.int32(0))
+
+    transforms = operand_transforms()
+    staging = ((plgpu.SMEM((CONSUMERS, KEYS, QUERIES), dtype, transforms=transforms),
+                plgpu.SMEM((CONSUMERS, QUERIES, p.E), jnp.float32)) if reduce_dq else ())
+    pl.run_scoped(
+        lambda buffers, staging, kv_ready, ready, free: body(
+            *buffers, *(staging or (None, None)), kv_ready, ready, free),
+        (plgpu.SMEM((CONSUMERS, KEYS, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((CONSUMERS, KEYS, p.Ev), dtype, transforms=transforms),
+         plgpu.SMEM((stages, QUERIES, p.E), dtype, transforms=transforms),
+         plgpu.SMEM((stages, QUERIES, p.Ev), dtype, transforms=transforms),
+         plgpu.SMEM((stages, QUERIES), jnp.float32),
+         plgpu.SMEM((stages, QUERIES), jnp.float32)),
+        staging,
+        plgpu.Barrier(num_arrivals=2, num_barriers=CONSUMERS),
+        plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+
+def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_captures=(),
+             mask_captures=(), fns_dq=(None, None, None), fns_dkdv=(None, None, None)):
+    """(dq, dk, dv) in q's, k's and v's dtypes. masks: the BlockMask's lists; lse2, delta
+    [B, Hq, L] float32 from the delta pass; fns_*: (score_fn, score_vjp, mask_fn) as each
+    kernel calls them (the captures' refs, the tile's leading arguments, its first query and
+    key positions, and for score_vjp the cotangent), each None where the call has none."""
+    captures = (*score_captures, *mask_captures)
+    common = dict(p=p, has_full=masks.has_full,
+                  n_captures=(len(score_captures), len(mask_captures)), dtype=q.dtype)
+
+    def launch(body, name, out_type, grid, grid_names):
+        return pl.kernel(body, out_type=out_type, name=name,
+                         mesh=plgpu.Mesh(grid=grid, grid_names=grid_names,
+                                         num_threads=CONSUMERS + 1, thread_name="wg"),
+                         compiler_params=plgpu.CompilerParams(approx_math=True))
+
+    # dK/dV: every batch and kv head of the column with the most blocks (over all mask batches
+    # and heads) first, and so on.
+    q_lists = masks.major("q")
+    column_steps = q_lists[0] + q_lists[2] if masks.has_full else q_lists[0]
+    column_order = jnp.argsort(-column_steps.sum(axis=(0, 1)), stable=True).astype(jnp.int32)
+    dkdv_inputs = (q, k, v, d_out, lse2, delta, *q_lists, column_order, *captures)
+    dkdv = functools.partial(
+        launch, out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                          jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        grid=(p.B * p.Hkv, p.S // BLOCK[1]), grid_names=("heads", "columns"))
+    if REDUCE_ADD_DQ:
+        dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
+        dk, dv = dkdv(functools.partial(_dkdv_kernel, fns=fns_dkdv, reduce_dq=True, **common),
+                      "jattn_mosaic_bwd_dkdv_dq")(*dkdv_inputs, dq_accum)
+        return (dq_accum[...] * p.scale).astype(q.dtype), dk, dv
+    dk, dv = dkdv(functools.partial(_dkdv_kernel, fns=fns_dkdv, reduce_dq=False, **common),
+                  "jattn_mosaic_bwd_dkdv")(*dkdv_inputs)
+
+    # dQ: the rows with the most blocks first, so that the last programs to start are short.
+    kv_lists = masks.major("kv")
+    row_steps = kv_lists[0] + kv_lists[2] if masks.has_full else kv_lists[0]
+    row_order = jnp.argsort(-row_steps.reshape(-1), stable=True).astype(jnp.int32)
+    dq = launch(functools.partial(_dq_kernel, fns=fns_dq, **common), "jattn_mosaic_bwd_dq",
+                jax.ShapeDtypeStruct(q.shape, q.dtype), (p.B * p.Hq * (p.L // BLOCK[0]),),
+                ("programs",))(q, k, v, d_out, lse2, delta, *kv_lists, row_order, *captures)
+    return dq, dk, dv

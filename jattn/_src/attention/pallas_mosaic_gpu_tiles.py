@@ -1,0 +1,94 @@
+"""What the Mosaic GPU kernels share: which (batch, head, BlockMask row) a query tile is, the
+walk of a BlockMask row's or column's block lists, operand tiles in shared memory, and vector
+loads in a wgmma register layout."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._src.attention.common import Problem
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector along a register tile's rows (axis 0)
+COLUMN = plgpu.Layout.WGMMA.reduce(0)  # a vector along its columns (axis 1)
+SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
+
+
+def operand_transforms():
+    """The shared-memory transforms of a 16-bit wgmma operand tile."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def tile_of(p: Problem, order_ref, t, rows: int):
+    """(b, h, row) of query tile t, the tiles in `order_ref`'s order of BlockMask rows (`rows`
+    per mask batch and head). Each row stands for the tiles of every batch and head it is
+    shared by, heads varying fastest."""
+    shared_b = 1 if p.mask_batch > 1 else p.B
+    shared_h = 1 if p.mask_heads > 1 else p.Hq
+    entry = order_ref[lax.div(t, shared_b * shared_h)]
+    shared = lax.rem(t, shared_b * shared_h)
+    b = lax.div(entry, p.mask_heads * rows) if p.mask_batch > 1 else lax.div(shared, shared_h)
+    h = lax.rem(lax.div(entry, rows), p.mask_heads) if p.mask_heads > 1 else lax.rem(shared,
+                                                                                     shared_h)
+    return b, h, lax.rem(entry, rows)
+
+
+class BlockLists:
+    """One orientation's BlockMask lists in a kernel ([counts, indices], then the full ones):
+    a row's (or column's) partial blocks first, then its full ones."""
+
+    def __init__(self, p: Problem, refs, has_full: bool):
+        self.p, self.refs, self.has_full = p, refs, has_full
+
+    def walk(self, b, h, index):
+        """The list owner of batch b, head h and row (or column) `index`, its partial-block
+        count and its step count."""
+        owner = (b if self.p.mask_batch > 1 else 0, h if self.p.mask_heads > 1 else 0, index)
+        partial = self.refs[0][owner]
+        return owner, partial, partial + (self.refs[2][owner] if self.has_full else 0)
+
+    def block(self, owner, partial, step):
+        """The block index of step `step` of the owner's walk."""
+        if not self.has_full:
+            return self.refs[1][(*owner, step)]
+        # Both reads stay inside the lists: step < partial + full <= the list's length.
+        return jnp.where(step < partial, self.refs[1][(*owner, step)],
+                         self.refs[3][(*owner, jnp.maximum(step - partial, 0))])
+
+
+def stream_keys(p: Problem, lists: BlockLists, b, h, walk, done, sources, slots, ready, free,
+                block_kv: int):
+    """The producer's loads of a BlockMask row's K/V blocks (`walk`: its owner, partial and
+    step counts) by TMA into a ring of shared-memory slots, its blocks numbered from `done`
+    on: each of `sources` (k and v refs) into its `slots` with its `ready` barriers, a slot
+    reused once its `free` barriers say the consumers are done with it."""
+    owner, partial, steps = walk
+    stages = slots[0].shape[0]
+    kv_b = b if p.kv_batch > 1 else 0
+    kv_h = lax.div(h, jnp.int32(p.groups))
+
+    @pl.loop(0, steps)
+    def _(step):
+        count = done + step
+        slot = lax.rem(count, jnp.int32(stages))
+
+        @pl.when(count >= stages)
+        def _():
+            for barrier in free:
+                plgpu.barrier_wait(barrier.at[slot])
+
+        keys = (kv_b, kv_h, pl.ds(lists.block(owner, partial, step) * block_kv, block_kv))
+        for source, slot_refs, barrier in zip(sources, slots, ready):
+            plgpu.copy_gmem_to_smem(source.at[keys], slot_refs.at[slot], barrier.at[slot])
+
+
+def load_vector(ref, layout):
+    """A 1-D ref's values in registers, in `layout` (ROW or COLUMN)."""
+    # jax 0.11 takes the ref alone (an index beside it is deprecated); 0.10 needs one.
+    index = inspect.signature(plgpu.load).parameters["idx"].default
+    return plgpu.load(ref, *([()] if index is inspect.Parameter.empty else []), layout=layout,
+                      optimized=False)
