@@ -2,10 +2,11 @@
 
     python -m benchmarks.bench_context_parallel [--lengths 32768,131072]
                                                 [--masks causal,document,packed]
+                                                [--strategies ring,all_gather,heads]
                                                 [--smoke] [--json out.json]
 
-For each device count (1, 2, 4, ... up to the devices present) and layout: forward+backward
-time of the ring over a mesh of that many devices, and of flex_attention on the whole sequence
+For each device count (1, 2, 4, ... up to the devices present), layout and strategy:
+forward+backward time of ring_flex_attention over a mesh of that many devices, and of flex_attention on the whole sequence
 on one device where it fits; both sides get one BlockMask of the whole sequence, built outside
 the timed step (the ring cuts its pairs' blocks from it). Also, for 2, 4 and 8 devices whatever
 is present, the work balance of a simulated ring: attended (query, key) blocks per device under
@@ -56,12 +57,13 @@ def _loss_grad(attention, cotangent):
                                                      cotangent), argnums=(0, 1, 2)))
 
 
-def time_ring(devices: int, layout: str, block_mask, q, k, v, cotangent) -> float:
+def time_ring(devices: int, layout: str, strategy: str, block_mask, q, k, v,
+              cotangent) -> float:
     mesh = Mesh(np.array(jax.devices()[:devices]), ("seq",))
 
     def local(q, k, v):
         return jattn.ring_flex_attention(q, k, v, axis_name="seq", layout=layout,
-                                         block_mask=block_mask)
+                                         block_mask=block_mask, strategy=strategy)
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
     sharded = NamedSharding(mesh, SEQ)
@@ -94,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="32768,131072")
     parser.add_argument("--masks", default="causal,document,packed")
+    parser.add_argument("--strategies", default="ring,all_gather,heads")
     parser.add_argument("--smoke", action="store_true", help="small shapes (CPU)")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -122,16 +125,21 @@ def main() -> None:
                 print(f"  one device, whole sequence: {type(error).__name__}", flush=True)
             for devices in counts:
                 for layout in ("contiguous", "zigzag"):
-                    seconds = time_ring(devices, layout, block_mask, q, k, v, cotangent)
-                    row = {"length": length, "mask": kind, "devices": devices,
-                           "layout": layout, "ring_ms": seconds * 1e3,
-                           "whole_one_device_ms": whole * 1e3,
-                           "speedup_vs_one_device": whole / seconds}
-                    rows.append(row)
-                    print(f"L {length:>6} {kind:>8} {devices} devices {layout:>10}: ring "
-                          f"{seconds * 1e3:9.2f} ms  one device {whole * 1e3:9.2f} ms  "
-                          f"speed-up {whole / seconds:5.2f}", flush=True)
-                    record.write(args.json, rows)
+                    for strategy in args.strategies.split(","):
+                        if strategy == "heads" and heads % devices:
+                            continue
+                        seconds = time_ring(devices, layout, strategy, block_mask, q, k, v,
+                                            cotangent)
+                        row = {"length": length, "mask": kind, "devices": devices,
+                               "layout": layout, "strategy": strategy,
+                               "ring_ms": seconds * 1e3, "whole_one_device_ms": whole * 1e3,
+                               "speedup_vs_one_device": whole / seconds}
+                        rows.append(row)
+                        print(f"L {length:>6} {kind:>8} {devices} devices {layout:>10} "
+                              f"{strategy:>10}: {seconds * 1e3:9.2f} ms  one device "
+                              f"{whole * 1e3:9.2f} ms  speed-up {whole / seconds:5.2f}",
+                              flush=True)
+                        record.write(args.json, rows)
             for devices in (2, 4, 8):
                 balance = {layout: work_balance(mask_mod, length, devices, layout)
                            for layout in ("contiguous", "zigzag")}

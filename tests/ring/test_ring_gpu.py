@@ -1,7 +1,7 @@
 """ring_flex_attention on GPUs: the Pallas kernels under shard_map's type checking, against a
 float64 golden of flex_attention on the whole sequence (output, LSE and the gradients of q, k,
-v and a learnable table). One GPU: a one-device mesh, whose forward equals flex_attention's
-bitwise. Rings of 2, 4 and 8 GPUs run where that many are present."""
+v and a learnable table), each strategy. One GPU: a one-device mesh, whose ring forward equals
+flex_attention's bitwise. Rings of 2, 4 and 8 GPUs run where that many are present."""
 
 import functools
 
@@ -34,13 +34,14 @@ def _alibi_and_table(table):
     return score_mod
 
 
-def _ring(mesh, layout):
+def _ring(mesh, layout, strategy="ring"):
     n = mesh.shape["seq"]
 
     def local(q, k, v, table):
         return jattn.ring_flex_attention(q, k, v, _alibi_and_table(table),
                                          jattn.masks.causal_mask, axis_name="seq",
-                                         layout=layout, enable_gqa=True, return_lse=True)
+                                         layout=layout, enable_gqa=True, return_lse=True,
+                                         strategy=strategy)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3 + (P(),),
                             out_specs=(SEQ, SEQ))
@@ -65,14 +66,17 @@ def _whole(q, k, v, table):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout):
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "heads"])
+def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, strategy):
+    if strategy == "heads" and Hkv % n:
+        pytest.skip(f"strategy='heads' splits the {Hkv} kv heads over the devices")
     mesh = Mesh(np.array(_gpus(n)), ("seq",))
     rng = np.random.default_rng(n)
     q = random(rng, (B, Hq, L, E), jnp.bfloat16)
     k, v = (random(rng, (B, Hkv, L, E), jnp.bfloat16) for _ in range(2))
     table = random(rng, (Hq, 64), jnp.float32) * 0.1
     cotangents = random(rng, q.shape, jnp.bfloat16), random(rng, q.shape[:3], jnp.float32)
-    ring = _ring(mesh, layout)
+    ring = _ring(mesh, layout, strategy)
     out, lse = jax.jit(ring)(q, k, v, table)
     grads = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangents))(q, k, v, table)
 

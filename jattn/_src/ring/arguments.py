@@ -39,3 +39,22 @@ def mask_mod_of(fn: str, mask_mod: Callable[..., jax.Array] | None,
         raise TypeError(f"{fn}: `block_mask` must be a jattn.BlockMask of the whole {whole}, "
                         f"got {type(block_mask).__name__}.")
     return block_mask.mask_mod
+
+
+def check_whole_mask(fn: str, block_mask: BlockMask | None, q, num_devices: int,
+                     layout: str) -> None:
+    """A whole-sequence BlockMask fits the call: built for (B|1, Hq|1, L, L), its blocks
+    tiling each shard (each half shard for zigzag)."""
+    if block_mask is None:
+        return
+    (B, Hq, Lc, _), L = q.shape, num_devices * q.shape[2]
+    Bm, Hm, Lm, Sm = block_mask.shape
+    if (Lm, Sm) != (L, L) or Bm not in (1, B) or Hm not in (1, Hq):
+        raise ValueError(f"{fn}: block_mask must be built for the whole sequence, (B|1, "
+                         f"Hq|1, L, L) = ({B}|1, {Hq}|1, {L}, {L}) over {num_devices} shards "
+                         f"of {Lc}; it has shape {block_mask.shape}.")
+    chunk = Lc // 2 if layout == "zigzag" else Lc
+    if any(chunk % size for size in block_mask.block_size):
+        raise ValueError(f"{fn}: block_mask's blocks {block_mask.block_size} must tile each "
+                         f"{layout} chunk of {chunk} positions; build it with a block_size "
+                         f"dividing {chunk}.")

@@ -31,7 +31,8 @@ from jattn._src.attention.api import flex_attention, flex_attention_backward
 from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.mesh_axes import aligned, summed_to_vary_like
-from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
+from jattn._src.ring import gathered
+from jattn._src.ring.arguments import check_whole_mask, checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
 from jattn._src.ring.schedule import RingSchedule, ring_schedule
@@ -274,36 +275,27 @@ def _ring_attention_bwd(ring: _Ring, residuals, cotangents):
 _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 
-def _check_whole_mask(block_mask: BlockMask | None, q, num_devices: int, layout: str) -> None:
-    if block_mask is None:
-        return
-    (B, Hq, Lc, _), L = q.shape, num_devices * q.shape[2]
-    Bm, Hm, Lm, Sm = block_mask.shape
-    if (Lm, Sm) != (L, L) or Bm not in (1, B) or Hm not in (1, Hq):
-        raise ValueError(f"{_FN}: block_mask must be built for the whole sequence, (B|1, "
-                         f"Hq|1, L, L) = ({B}|1, {Hq}|1, {L}, {L}) over {num_devices} shards "
-                         f"of {Lc}; it has shape {block_mask.shape}.")
-    chunk = Lc // 2 if layout == "zigzag" else Lc
-    if any(chunk % size for size in block_mask.block_size):
-        raise ValueError(f"{_FN}: block_mask's blocks {block_mask.block_size} must tile each "
-                         f"{layout} chunk of {chunk} positions; build it with a block_size "
-                         f"dividing {chunk}.")
-
-
-def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
-           implementation, block_size, token_arrays, block_mask, schedule=None):
-    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens); the
-    ring's steps `schedule`, or (None) those `ring_schedule` finds in block_mask."""
-    n = lax.axis_size(axis_name)
+def _checked(q, k, mask_mod, *, axis_name, layout, token_arrays, block_mask):
+    """The call's mask_mod (the BlockMask's, if given) and token arrays, checked."""
     Lc, Sc = q.shape[2], k.shape[2]
     check_layout(layout, Lc, _FN)
     if Lc != Sc:
         raise ValueError(f"{_FN}: q's shard has {Lc} positions and k/v's {Sc}; the ring needs "
                          f"equal shards of one sequence (q {q.shape}, k {k.shape}).")
     mask_mod = mask_mod_of(_FN, mask_mod, block_mask, "sequence")
-    _check_whole_mask(block_mask, q, n, layout)
+    check_whole_mask(_FN, block_mask, q, lax.axis_size(axis_name), layout)
     tokens = checked_token_arrays(_FN, token_arrays, Lc, "is sharded like q along its last "
                                   f"axis, which must be this device's {Lc} positions")
+    return mask_mod, tokens
+
+
+def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
+           implementation, block_size, token_arrays, block_mask, schedule=None):
+    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens); the
+    ring's steps `schedule`, or (None) those `ring_schedule` finds in block_mask."""
+    n, Lc = lax.axis_size(axis_name), q.shape[2]
+    mask_mod, tokens = _checked(q, k, mask_mod, axis_name=axis_name, layout=layout,
+                                token_arrays=token_arrays, block_mask=block_mask)
     views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
     mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
     if schedule is None:
@@ -332,8 +324,10 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         enable_gqa: bool = False, return_lse: bool = False,
                         implementation: str | None = None, block_size: int = 128,
                         token_arrays: Sequence[jax.Array] = (),
-                        block_mask: BlockMask | None = None, sinks: jax.Array | None = None):
-    """flex_attention over a sequence sharded across the devices of a mesh axis (a ring).
+                        block_mask: BlockMask | None = None, sinks: jax.Array | None = None,
+                        strategy: str = "ring"):
+    """flex_attention over a sequence sharded across the devices of a mesh axis (a ring, or
+    another `strategy`).
 
     Call it inside `jax.shard_map` with q, k and v sharded along the sequence (axis 2) over
     mesh axis `axis_name`. The result is exactly `flex_attention` on the whole sequence, with
@@ -369,6 +363,13 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       sinks: attention sinks [Hq], one logit per query head, as in flex_attention, the same
         on every device of the ring (replicated): each device's rows count them once, and
         their gradient is the sum over the devices.
+      strategy: how the devices share the keys. "ring": K/V go round the devices, a step at
+        a time (above). "all_gather": each device gathers the whole sequence's K/V at once
+        and attends its queries to them (the backward reduce-scatters dK/dV); cheap with
+        few kv heads. "heads": an all-to-all trades the sequence shards for whole sequences
+        of 1/n of the heads (Hq and Hkv must divide by the devices), flex_attention runs
+        there, and the output returns to sequence shards (Ulysses). The result and its
+        gradients are the same for each (docs/context_parallel.md).
 
     Returns:
       [B, Hq, Lc, Ev] of q's dtype, this device's shard of the output; with return_lse also
@@ -390,22 +391,35 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return scheduled_ring_attention(
         q, k, v, score_mod, mask_mod, None, axis_name=axis_name, layout=layout, scale=scale,
         enable_gqa=enable_gqa, return_lse=return_lse, implementation=implementation,
-        block_size=block_size, token_arrays=token_arrays, block_mask=block_mask, sinks=sinks)
+        block_size=block_size, token_arrays=token_arrays, block_mask=block_mask, sinks=sinks,
+        strategy=strategy)
 
 
 def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: RingSchedule | None, *,
-                             return_lse: bool, sinks, **options):
+                             return_lse: bool, sinks, strategy: str = "ring", **options):
     """ring_flex_attention running the ring steps `schedule` (`ring_schedule` of the whole
     sequence's BlockMask where its values are known: sharded_flex_attention works it out
-    before the mask enters shard_map as an argument), or (None) those it finds itself."""
-    ring, score_caps, mask_caps, tokens = _setup(q, k, v, score_mod, mask_mod,
-                                                 schedule=schedule, **options)
+    before the mask enters shard_map as an argument), or (None) those it finds itself; or
+    another `strategy` (`gathered`)."""
+    if strategy not in gathered.STRATEGIES:
+        raise ValueError(f"{_FN}: `strategy` must be one of {gathered.STRATEGIES}, got "
+                         f"{strategy!r}.")
     sinks = checked_sinks(_FN, sinks, q.shape[1])
-    # (the pairs read the ring's own mods: the BlockMask enters the custom_vjp as its lists
-    # alone, not with its mask_mod's leaves, which may be functions)
-    whole = options["block_mask"]
-    whole = None if whole is None else dataclasses.replace(whole, mask_mod=None)
-    out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, whole)
+    if strategy == "ring":
+        ring, score_caps, mask_caps, tokens = _setup(q, k, v, score_mod, mask_mod,
+                                                     schedule=schedule, **options)
+        # (the pairs read the ring's own mods: the BlockMask enters the custom_vjp as its
+        # lists alone, not with its mask_mod's leaves, which may be functions)
+        whole = options["block_mask"]
+        whole = None if whole is None else dataclasses.replace(whole, mask_mod=None)
+        out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, whole)
+    else:
+        mask_mod, tokens = _checked(q, k, mask_mod, axis_name=options["axis_name"],
+                                    layout=options["layout"],
+                                    token_arrays=options["token_arrays"],
+                                    block_mask=options["block_mask"])
+        out, lse = gathered.attention(strategy, q, k, v, score_mod, mask_mod,
+                                      **{**options, "token_arrays": tokens})
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out

@@ -22,6 +22,7 @@ from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.attention import scheduled_ring_attention
+from jattn._src.ring.gathered import STRATEGIES
 from jattn._src.ring.pair import uses_batch_or_head
 from jattn._src.ring.schedule import ring_schedule
 
@@ -61,7 +62,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            return_lse: bool = False, implementation: str | None = None,
                            block_size: int = 128, token_arrays: Sequence[jax.Array] = (),
                            block_mask: BlockMask | None = None,
-                           sinks: jax.Array | None = None):
+                           sinks: jax.Array | None = None, strategy: str = "ring"):
     """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
     over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
 
@@ -88,6 +89,9 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         leaves empty on every device, transfers included.
       sinks: attention sinks [Hq], one logit per query head, as in flex_attention (split
         with the heads over `head_axis`).
+      strategy: how the devices of `sequence_axis` share the keys: "ring", "all_gather" or
+        "heads", as in ring_flex_attention (the heads this device holds split further for
+        "heads").
 
     Returns:
       [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
@@ -103,6 +107,8 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
     _check_axes(mesh, q, k, axes)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{_FN}: `strategy` must be one of {STRATEGIES}, got {strategy!r}.")
     checked_token_arrays(_FN, token_arrays, q.shape[2],
                          f"has the sequence ({q.shape[2]} positions) as its last axis")
     mask_mod = mask_mod_of(_FN, mask_mod, block_mask, "arrays")
@@ -133,7 +139,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         return dataclasses.replace(jax.tree.map(rows, whole), mask_mod=mask)
 
     # (worked out here: inside shard_map the BlockMask is an argument, its values traced)
-    schedule = None if sequence_axis is None else ring_schedule(
+    schedule = None if sequence_axis is None or strategy != "ring" else ring_schedule(
         block_mask, mesh.shape[sequence_axis], layout)
 
     def local(q, k, v, whole, sinks, *tokens):
@@ -144,7 +150,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                 q, k, v, score, mask if whole is None else None, schedule,
                 axis_name=sequence_axis, layout=layout, scale=scale, enable_gqa=enable_gqa,
                 return_lse=True, implementation=implementation, block_size=block_size,
-                token_arrays=tokens, block_mask=blocks, sinks=sinks)
+                token_arrays=tokens, block_mask=blocks, sinks=sinks, strategy=strategy)
         score, mask = global_mods(*tokens)
         blocks = None if whole is None else local_blocks(whole, mask)
         if whole is None and mask is not None:
