@@ -1,4 +1,5 @@
-"""Flex attention on the GPU against torch FlexAttention, cuDNN and JAX's Pallas mha, same run.
+"""Flex attention on the GPU against torch FlexAttention, cuDNN, tokamax (where it imports) and
+JAX's Pallas mha, same run.
 
     python -m benchmarks.bench_attention [--only CASE] [--masks full,causal] [--json out.json]
     (rows go to --json as they are measured)
@@ -7,9 +8,10 @@
 FLOPs: forward 4·B·H·L²·D times the mask's density (fraction of attended pairs); backward
 2.5x forward; JAX backward time = time(forward + vjp) - time(forward), torch likewise with
 autograd (eager launches; its forward ratio uses a CUDA-graph replay, the stricter baseline).
-bf16. Each baseline does the same work (same mask, same score_mod); cuDNN and the
-Pallas mha run only where the mask is expressible (full, causal). Also: first-call time, and
-create_block_mask at 32k / 128k causal against torch's compiled builder.
+bf16. Each baseline does the same work (same mask, same score_mod); cuDNN, the Pallas mha
+and tokamax's Mosaic GPU attention (its version recorded) run only where the mask is
+expressible (full, causal). Also: first-call time, and create_block_mask at 32k / 128k causal
+against torch's compiled builder.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def bench_case(name, B, H, L, D, kind) -> dict:
         row["cudnn"] = _jax_fwd_bwd(lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=causal, implementation="cudnn"), blhd, flops)
         row["attention_mgpu_fp16"] = _attention_mgpu_forward(blhd, causal, flops)
+        row["tokamax"] = _tokamax(blhd, causal, flops)
         try:
             from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
@@ -180,6 +183,20 @@ def bench_case(name, B, H, L, D, kind) -> dict:
                 row[f"mosaic_vs_{side}"] = {d: row["jattn_mosaic"][d] / row[side][d]
                                             for d in ("fwd", "bwd")}
     return row
+
+
+def _tokamax(blhd_sets, causal: bool, flops: float) -> dict:
+    """tokamax's Mosaic GPU attention (no mods), forward and backward, where it imports."""
+    try:
+        import tokamax
+    except ImportError as error:
+        return {"error": f"tokamax is not importable here: {error}"[:200]}
+    try:
+        row = _jax_fwd_bwd(lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="mosaic"), blhd_sets, flops)
+    except Exception as error:  # an unsupported shape or version; report rather than fail
+        return {"error": f"{type(error).__name__}: {error}"[:200]}
+    return {**row, "version": getattr(tokamax, "__version__", "unknown")}
 
 
 def _attention_mgpu_forward(blhd_sets, causal: bool, flops: float) -> dict:
@@ -302,7 +319,7 @@ def main():
             r = bench_case(name, B, H, L, D, kind)
             rows.append(r)
             line = f"{name:>20} {kind:>11}: jattn {r['jattn']['fwd']:6.1f}/{r['jattn']['bwd']:6.1f}"
-            for side in ("jattn_mosaic", "torch_flex", "cudnn", "pallas_mha"):
+            for side in ("jattn_mosaic", "torch_flex", "cudnn", "tokamax", "pallas_mha"):
                 if side in r and "fwd" in r[side]:
                     line += f"  {side} {r[side]['fwd']:6.1f}/{r[side]['bwd']:6.1f}"
             if "fwd" in r.get("attention_mgpu_fp16", {}):

@@ -136,10 +136,12 @@ class Resolution:
     chosen: str
     source: str  # "argument", IMPLEMENTATION_ENV or "platform default (<platform>)"
     skipped: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # what else the call runs elsewhere, and why
 
     def __str__(self) -> str:
         text = f"{self.op}: {self.chosen} ({self.source})"
-        return text + "".join(f"\n  skipped {reason}" for reason in self.skipped)
+        return (text + "".join(f"\n  skipped {reason}" for reason in self.skipped)
+                + "".join(f"\n  {note}" for note in self.notes))
 
 
 _EXPLAINING: contextvars.ContextVar[list[Resolution] | None] = contextvars.ContextVar(
@@ -166,6 +168,17 @@ def explaining() -> bool:
     """Whether calls are being explained (`recording`): eager calls then resolve their
     implementation instead of replaying a plan, so that each is reported."""
     return _EXPLAINING.get() is not None
+
+
+def annotate(op: str, note: str) -> None:
+    """Adds `note` to the last recorded resolution of `op`, when calls are being explained."""
+    seen = _EXPLAINING.get()
+    if seen is None:
+        return
+    for i in reversed(range(len(seen))):
+        if seen[i].op == op:
+            seen[i] = dataclasses.replace(seen[i], notes=(*seen[i].notes, note))
+            return
 
 
 def _record(resolution: Resolution) -> None:

@@ -491,3 +491,20 @@ def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, mo
                           _spec(kv_batch, 2, L, E))
     assert ("jattn_flex_bwd_dq" in text) == (mosaic_kernels == 1)
     assert text.count("mosaic_gpu") == 10 * mosaic_kernels  # each kernel names it ten times
+
+
+def test_explain_names_the_backward_that_runs_elsewhere(as_if_on_hopper):
+    B, Hq, L, E = 2, 4, 512, 128
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+
+    def attention(q, k, v):
+        return jattn.flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+
+    q = jnp.zeros((B, Hq, L, E), jnp.bfloat16)
+    for kv_batch, note in ((2, None), (1, "backward on pallas_triton (pallas_mosaic_gpu's "
+                                          "backward: it takes k/v with q's batch (2), not a "
+                                          "broadcast batch of 1.)")):
+        kv = jnp.zeros((kv_batch, 2, L, E), jnp.bfloat16)
+        text = jattn.explain(attention, q, kv, kv)
+        assert text.startswith("flex_attention: pallas_mosaic_gpu")
+        assert (note in text) if note else ("backward" not in text), text

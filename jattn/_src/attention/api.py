@@ -503,6 +503,9 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
             program = _PROGRAMS.put(key, program)
         # else the mods captured arrays at the kernels' tiles that they did not at the XLA
         # block (arrays made from the shapes they see): the program is this call's alone.
+    if program.problem.backward_fallback is not None:
+        backends.annotate(_OP, f"backward on pallas_triton ({implementation.name}'s "
+                               f"backward: {program.problem.backward_fallback})")
     return program, tuple(score_set.captures), tuple(mask_set.captures)
 
 

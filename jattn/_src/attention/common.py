@@ -66,6 +66,8 @@ class Problem:
     max_scores: bool = False  # the forward also returns each row's largest score
     # The Mosaic GPU backward's mods (dQ tile, dK/dV tile) where it runs; None: pallas_triton's
     mosaic_backward: tuple[Mods, Mods] | None = None
+    # Why the backward runs on pallas_triton's kernels behind another forward (`explain`)
+    backward_fallback: str | None = None
 
     @property
     def groups(self) -> int:

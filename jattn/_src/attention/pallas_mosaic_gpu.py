@@ -146,9 +146,11 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     mosaic_backward = tuple(trace_mods(score_mod, mask_mod, score_set, mask_set,
                                        *_tile_signature(tile))
                             for tile in (TILE, DKDV_TILE))
-    if backward_unsupported(p, *mosaic_backward) is not None:
+    fallback = backward_unsupported(p, *mosaic_backward)
+    if fallback is not None:
         mosaic_backward = None
-    return dataclasses.replace(p, fwd=fwd, decode=None, mosaic_backward=mosaic_backward)
+    return dataclasses.replace(p, fwd=fwd, decode=None, mosaic_backward=mosaic_backward,
+                               backward_fallback=fallback)
 
 
 def _kernel_mod(fn, avals, seq_lengths, tile=TILE, *, transposed=False, trailing=0):
