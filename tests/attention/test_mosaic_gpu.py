@@ -287,10 +287,12 @@ def test_runs_by_position_lower_for_cuda(as_if_on_hopper, mods):
                                           _spec(B, Hq, L, E))
 
 
+@pytest.mark.parametrize("transposed", [False, True])  # the dK/dV kernel's [keys, queries]
 @pytest.mark.parametrize("name", [*READABLE, *_TRICKY])
-def test_mods_evaluated_as_in_the_kernel_equal_them_evaluated_plainly(name):
-    """The kernel's evaluation of mods (q_idx and kv_idx as a tile's first position plus an
-    iota, reads as scalar and vector loads) computes what the mods compute on index tiles. The
+def test_mods_evaluated_as_in_the_kernel_equal_them_evaluated_plainly(name, transposed):
+    """The kernels' evaluation of mods and of score_mod's gradient (q_idx and kv_idx as a
+    tile's first position plus an iota, reads as scalar and vector loads) computes what they
+    compute on index tiles, on the forward's and dQ's tile and on dK/dV's transposed one. The
     loads are done here on the CPU from the flattened arrays the kernel gets, at tiles placed
     at several batch rows, heads and positions of a B 2, H 4, L 4096 call."""
     from jattn._src.attention import pallas_mosaic_gpu as mosaic
@@ -308,24 +310,30 @@ def test_mods_evaluated_as_in_the_kernel_equal_them_evaluated_plainly(name):
 
     score_mod, mask_mod = (READABLE | _TRICKY)[name][:2]
     score_set, mask_set = CaptureSet(), CaptureSet()
-    mods = trace_mods(score_mod, mask_mod, score_set, mask_set, *mosaic._tile_signature(),
-                      with_vjp=False)
-    tile, rng = mosaic.TILE, np.random.default_rng(0)
-    score = jnp.asarray(rng.standard_normal(tile), jnp.float32)
+    tile = mosaic.DKDV_TILE if transposed else mosaic.TILE
+    mods = trace_mods(score_mod, mask_mod, score_set, mask_set, *mosaic._tile_signature(tile))
+    rng = np.random.default_rng(0)
+    score, cotangent = (jnp.asarray(rng.standard_normal(tile), jnp.float32) for _ in range(2))
+
+    def score_vjp(s, b, h, q_idx, kv_idx, d_out):
+        return jax.vjp(lambda x: score_mod(x, b, h, q_idx, kv_idx), s)[1](d_out)[0]
+
     for b, h, q0, kv0 in ((0, 0, 0, 0), (1, 3, 4032, 128), (1, 2, 320, 3968)):
-        q_idx = q0 + jax.lax.broadcasted_iota(jnp.int32, tile, 0)
-        kv_idx = kv0 + jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+        q_idx = q0 + jax.lax.broadcasted_iota(jnp.int32, tile, int(transposed))
+        kv_idx = kv0 + jax.lax.broadcasted_iota(jnp.int32, tile, 1 - int(transposed))
         index = [jnp.int32(b), jnp.int32(h)]
-        for fn, captures, leading, plain in (
-                (mods.score, score_set.captures, [score, *index], score_mod),
-                (mods.mask, mask_set.captures, index, mask_mod)):
+        for fn, captures, leading, trailing, plain in (
+                (mods.score, score_set.captures, [score, *index], [], score_mod),
+                (mods.score_vjp, score_set.captures, [score, *index], [cotangent], score_vjp),
+                (mods.mask, mask_set.captures, index, [], mask_mod)):
             if fn is None:
                 continue
             refs = [mosaic._kernel_operand(c) for c in captures]
             avals = [jax.typeof(c) for c in captures]
             [ours] = in_kernel._evaluate(fn, LoadsOnTheCpu(), refs, avals, leading,
-                                         (jnp.int32(q0), jnp.int32(kv0)), (4096, 4096), tile)
-            np.testing.assert_array_equal(ours, plain(*leading, q_idx, kv_idx))
+                                         (jnp.int32(q0), jnp.int32(kv0)), (4096, 4096), tile,
+                                         transposed, trailing)
+            np.testing.assert_array_equal(ours, plain(*leading, q_idx, kv_idx, *trailing))
 
 
 def test_tanh_in_mods_avoids_the_approximate_instruction():
