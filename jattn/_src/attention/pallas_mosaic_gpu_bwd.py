@@ -30,8 +30,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS
 from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, BlockLists,
+                                                           heaviest_first, key_blocks,
                                                            load_vector, operand_transforms,
-                                                           stream_keys, tile_of)
+                                                           stream, tile_of)
 from jattn._src.constants import LOG2_E
 from jattn._src.masks.block_mask import MaskLists
 
@@ -172,8 +173,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
         @pl.when(wg == CONSUMERS)
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
-            stream_keys(p, lists, b, h, (owner, partial, steps), 0, (k_ref, v_ref),
-                        (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free), bkv)
+            stream(steps, 0, key_blocks(p, lists, b, h, owner, partial, bkv), (k_ref, v_ref),
+                   (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free))
 
     transforms = operand_transforms()
     pl.run_scoped(
@@ -306,24 +307,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
 
             def head(g, done):
                 h, owner, partial, steps = head_walk(g)
-
-                @pl.loop(0, steps * halves)
-                def _(step):
-                    count = done + step
-                    slot = slot_of(count)
-
-                    @pl.when(count >= stages)
-                    def _():
-                        plgpu.barrier_wait(free.at[slot])
-
-                    rows = (b, h, pl.ds(query_start(owner, partial, step), QUERIES))
-                    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
-                    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], ready.at[slot])
-                    plgpu.copy_gmem_to_smem(lse2_ref.at[rows], lse_smem.at[slot],
-                                            ready.at[slot])
-                    plgpu.copy_gmem_to_smem(delta_ref.at[rows], delta_smem.at[slot],
-                                            ready.at[slot])
-
+                # Q, dO, lse₂ and delta of each step's 64 queries, one barrier for the four
+                stream(steps * halves, done,
+                       lambda step: (b, h, pl.ds(query_start(owner, partial, step), QUERIES)),
+                       (q_ref, do_ref, lse2_ref, delta_ref),
+                       (q_smem, do_smem, lse_smem, delta_smem), (ready,) * 4, (free,))
                 return done + steps * halves
 
             lax.fori_loop(0, p.groups, head, jnp.int32(0))
@@ -371,8 +359,7 @@ def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_ca
     # dK/dV: every batch and kv head of the column with the most blocks (over all mask batches
     # and heads) first, and so on.
     q_lists = masks.major("q")
-    column_steps = q_lists[0] + q_lists[2] if masks.has_full else q_lists[0]
-    column_order = jnp.argsort(-column_steps.sum(axis=(0, 1)), stable=True).astype(jnp.int32)
+    column_order = heaviest_first(q_lists, masks.has_full, summed_axes=(0, 1))
     dkdv_inputs = (q, k, v, d_out, lse2, delta, *q_lists, column_order, *captures)
     dkdv = functools.partial(
         launch, out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -388,8 +375,7 @@ def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_ca
 
     # dQ: the rows with the most blocks first, so that the last programs to start are short.
     kv_lists = masks.major("kv")
-    row_steps = kv_lists[0] + kv_lists[2] if masks.has_full else kv_lists[0]
-    row_order = jnp.argsort(-row_steps.reshape(-1), stable=True).astype(jnp.int32)
+    row_order = heaviest_first(kv_lists, masks.has_full)
     dq = launch(functools.partial(_dq_kernel, fns=fns_dq, **common), "jattn_mosaic_bwd_dq",
                 jax.ShapeDtypeStruct(q.shape, q.dtype), (p.B * p.Hq * (p.L // BLOCK[0]),),
                 ("programs",))(q, k, v, d_out, lse2, delta, *kv_lists, row_order, *captures)

@@ -25,8 +25,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import hardware
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, operand_transforms,
-                                                           stream_keys, tile_of)
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, heaviest_first,
+                                                           key_blocks, operand_transforms,
+                                                           stream, tile_of)
 from jattn._src.constants import LOG2_E, MASK_VALUE
 
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
@@ -192,10 +193,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
 
             def one_tile(i, done):
                 b, h, row = tile(i)
-                walk = lists.walk(b, h, row)
-                stream_keys(p, lists, b, h, walk, done, (k_ref, v_ref), (k_smem, v_smem),
-                            (k_ready, v_ready), (k_free, v_free), bkv)
-                return done + walk[2]
+                owner, partial, steps = lists.walk(b, h, row)
+                stream(steps, done, key_blocks(p, lists, b, h, owner, partial, bkv),
+                       (k_ref, v_ref), (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free))
+                return done + steps
 
             lax.fori_loop(0, n_tiles, one_tile, jnp.int32(0))
 
@@ -249,8 +250,7 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     # 507 against 586).
     dealt = not p.dense and programs <= hardware.num_sms()
     # The rows with the most blocks first, so that the last programs to start are short ones.
-    steps = lists[0] + lists[2] if has_full else lists[0]
-    order = jnp.argsort(-steps.reshape(-1), stable=True).astype(jnp.int32)
+    order = heaviest_first(lists, has_full)
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
                                score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype,
                                group=group, dealt=dealt)

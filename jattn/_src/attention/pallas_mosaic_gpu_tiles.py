@@ -1,5 +1,6 @@
-"""What the Mosaic GPU kernels share: which (batch, head, BlockMask row) a query tile is, the
-walk of a BlockMask row's or column's block lists, operand tiles in shared memory, and vector
+"""What the Mosaic GPU kernels share: the order of their BlockMask rows or columns (heaviest
+first), which (batch, head, row) a query tile is, the walk of a row's or column's block lists,
+the producers' TMA streaming into a ring of slots, operand tiles in shared memory, and vector
 loads in a wgmma register layout."""
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def tile_of(p: Problem, order_ref, t, rows: int):
     return b, h, lax.rem(entry, rows)
 
 
+def heaviest_first(lists, has_full: bool, summed_axes: tuple[int, ...] = ()):
+    """The int32 order of a kernel's BlockMask lines (one orientation's [counts, indices, full
+    counts, full indices]), the lines with the most blocks first (stable), after summing the
+    counts over `summed_axes` (lines shared by several mask batches or heads)."""
+    steps = lists[0] + lists[2] if has_full else lists[0]
+    if summed_axes:
+        steps = steps.sum(axis=summed_axes)
+    return jnp.argsort(-steps.reshape(-1), stable=True).astype(jnp.int32)
+
+
 class BlockLists:
     """One orientation's BlockMask lists in a kernel ([counts, indices], then the full ones):
     a row's (or column's) partial blocks first, then its full ones."""
@@ -60,16 +71,12 @@ class BlockLists:
                          self.refs[3][(*owner, jnp.maximum(step - partial, 0))])
 
 
-def stream_keys(p: Problem, lists: BlockLists, b, h, walk, done, sources, slots, ready, free,
-                block_kv: int):
-    """The producer's loads of a BlockMask row's K/V blocks (`walk`: its owner, partial and
-    step counts) by TMA into a ring of shared-memory slots, its blocks numbered from `done`
-    on: each of `sources` (k and v refs) into its `slots` with its `ready` barriers, a slot
-    reused once its `free` barriers say the consumers are done with it."""
-    owner, partial, steps = walk
+def stream(steps, done, at, sources, slots, ready, free):
+    """The producer's loads, by TMA into a ring of shared-memory slots, of `steps` tiles
+    numbered from `done` on: tile `step` of each of `sources` (refs in global memory), at the
+    index `at(step)`, into its `slots` with its `ready` barriers, a slot reused once its `free`
+    barriers say the consumers are done with it."""
     stages = slots[0].shape[0]
-    kv_b = b if p.kv_batch > 1 else 0
-    kv_h = lax.div(h, jnp.int32(p.groups))
 
     @pl.loop(0, steps)
     def _(step):
@@ -81,9 +88,18 @@ def stream_keys(p: Problem, lists: BlockLists, b, h, walk, done, sources, slots,
             for barrier in free:
                 plgpu.barrier_wait(barrier.at[slot])
 
-        keys = (kv_b, kv_h, pl.ds(lists.block(owner, partial, step) * block_kv, block_kv))
+        index = at(step)
         for source, slot_refs, barrier in zip(sources, slots, ready):
-            plgpu.copy_gmem_to_smem(source.at[keys], slot_refs.at[slot], barrier.at[slot])
+            plgpu.copy_gmem_to_smem(source.at[index], slot_refs.at[slot], barrier.at[slot])
+
+
+def key_blocks(p: Problem, lists: BlockLists, b, h, owner, partial, block_kv: int):
+    """`stream`'s index of each step of a BlockMask row's walk: the K/V block of batch b and
+    query head h it lists."""
+    kv_b = b if p.kv_batch > 1 else 0
+    kv_h = lax.div(h, jnp.int32(p.groups))
+    return lambda step: (kv_b, kv_h,
+                         pl.ds(lists.block(owner, partial, step) * block_kv, block_kv))
 
 
 def load_vector(ref, layout):
