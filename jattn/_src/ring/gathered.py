@@ -14,7 +14,6 @@ over directly), and see global positions, heads and per-token arrays, as the rin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,9 +22,8 @@ from jax import lax
 
 from jattn._src.attention.api import flex_attention
 from jattn._src.masks.block_mask import BlockMask
-from jattn._src.masks.create import create_block_mask
+from jattn._src.ring import blocks
 from jattn._src.ring.layout import from_zigzag, global_positions, to_zigzag
-from jattn._src.ring.pair import uses_batch_or_head
 
 STRATEGIES = ("ring", "all_gather", "heads")
 
@@ -52,15 +50,6 @@ def _bound(score_mod, mask_mod, tokens, query_position=None, head_offset=0):
     return score, mask
 
 
-def _built(mask, B: int, H: int, L: int, S: int, block_size: int) -> BlockMask | None:
-    """A BlockMask built from the bound mask_mod (None: every key attends)."""
-    if mask is None:
-        return None
-    uses_b, uses_h = uses_batch_or_head(mask)
-    return create_block_mask(mask, B if uses_b else None, H if uses_h else None, L, S,
-                             block_size=block_size)
-
-
 def all_gather_attention(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str, scale,
                          enable_gqa: bool, implementation, block_size: int,
                          token_arrays: Sequence[jax.Array], block_mask: BlockMask | None):
@@ -72,16 +61,16 @@ def all_gather_attention(q, k, v, score_mod, mask_mod, *, axis_name: str, layout
     score, mask = _bound(score_mod, mask_mod, tokens,
                          lambda q_idx: global_positions(q_idx, me, n, Lc, layout))
     if block_mask is None:
-        blocks = _built(mask, B, Hq, Lc, L, block_size)
+        local_mask = blocks.built(mask, B, Hq, Lc, L, block_size)
     else:  # the rows of this device's query blocks
         bq = block_mask.block_size[0]
         rows = global_positions(jnp.arange(0, Lc, bq, dtype=jnp.int32), me, n, Lc, layout) // bq
         full = (None if block_mask.full_kv_num_blocks is None
                 else block_mask.full_blocks()[..., rows, :])
-        blocks = BlockMask.from_dense_blocks(block_mask.partial_blocks()[..., rows, :], full,
-                                             block_size=block_mask.block_size,
-                                             seq_lengths=(Lc, L), mask_mod=mask)
-    return flex_attention(q, k, v, score, blocks, scale=scale, enable_gqa=enable_gqa,
+        local_mask = BlockMask.from_dense_blocks(
+            block_mask.partial_blocks()[..., rows, :], full, block_size=block_mask.block_size,
+            seq_lengths=(Lc, L), mask_mod=mask)
+    return flex_attention(q, k, v, score, local_mask, scale=scale, enable_gqa=enable_gqa,
                           return_lse=True, implementation=implementation)
 
 
@@ -109,15 +98,9 @@ def heads_attention(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str
     q, k, v = (to_heads(x) for x in (q, k, v))
     tokens = [_whole_sequence(t, axis_name, layout, t.ndim - 1) for t in token_arrays]
     score, mask = _bound(score_mod, mask_mod, tokens, head_offset=me * heads)
-    if block_mask is None:
-        blocks = _built(mask, B, heads, L, L, block_size)
-    else:  # the rows of this device's heads
-        blocks = dataclasses.replace(block_mask, mask_mod=None)
-        if blocks.shape[1] > 1:
-            blocks = jax.tree.map(
-                lambda x: lax.dynamic_slice_in_dim(x, me * heads, heads, 1), blocks)
-        blocks = dataclasses.replace(blocks, mask_mod=mask)
-    out, lse = flex_attention(q, k, v, score, blocks, scale=scale, enable_gqa=enable_gqa,
+    local_mask = (blocks.built(mask, B, heads, L, L, block_size) if block_mask is None
+                  else blocks.sliced(block_mask, mask, heads=(me * heads, heads)))
+    out, lse = flex_attention(q, k, v, score, local_mask, scale=scale, enable_gqa=enable_gqa,
                               return_lse=True, implementation=implementation)
     return to_shards(out), to_shards(lse)
 

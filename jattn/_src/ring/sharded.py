@@ -7,7 +7,6 @@ head and sequence indices wherever the axes are split.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -19,11 +18,10 @@ from jax.sharding import PartitionSpec as P
 from jattn._src.attention.api import flex_attention
 from jattn._src.attention.sinks import checked_sinks
 from jattn._src.masks.block_mask import BlockMask
-from jattn._src.masks.create import create_block_mask
+from jattn._src.ring import blocks
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.attention import scheduled_ring_attention
 from jattn._src.ring.gathered import STRATEGIES
-from jattn._src.ring.pair import uses_batch_or_head
 from jattn._src.ring.schedule import ring_schedule
 
 _FN = "sharded_flex_attention"
@@ -127,16 +125,10 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     def local_blocks(whole, mask):
         """This device's batch rows and heads of the whole BlockMask, reading `mask`."""
-        Bm, Hm = whole.shape[:2]
-
-        def rows(x):
-            if batch_axis is not None and Bm > 1:
-                x = lax.dynamic_slice_in_dim(x, _offset(batch_axis, B_local), B_local, 0)
-            if head_axis is not None and Hm > 1:
-                x = lax.dynamic_slice_in_dim(x, _offset(head_axis, H_local), H_local, 1)
-            return x
-
-        return dataclasses.replace(jax.tree.map(rows, whole), mask_mod=mask)
+        return blocks.sliced(
+            whole, mask,
+            batch=None if batch_axis is None else (_offset(batch_axis, B_local), B_local),
+            heads=None if head_axis is None else (_offset(head_axis, H_local), H_local))
 
     # (worked out here: inside shard_map the BlockMask is an argument, its values traced)
     schedule = None if sequence_axis is None or strategy != "ring" else ring_schedule(
@@ -145,20 +137,16 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     def local(q, k, v, whole, sinks, *tokens):
         if sequence_axis is not None:
             score, mask = global_mods()
-            blocks = None if whole is None else local_blocks(whole, mask)
+            local_mask = None if whole is None else local_blocks(whole, mask)
             return scheduled_ring_attention(
                 q, k, v, score, mask if whole is None else None, schedule,
                 axis_name=sequence_axis, layout=layout, scale=scale, enable_gqa=enable_gqa,
                 return_lse=True, implementation=implementation, block_size=block_size,
-                token_arrays=tokens, block_mask=blocks, sinks=sinks, strategy=strategy)
+                token_arrays=tokens, block_mask=local_mask, sinks=sinks, strategy=strategy)
         score, mask = global_mods(*tokens)
-        blocks = None if whole is None else local_blocks(whole, mask)
-        if whole is None and mask is not None:
-            uses_b, uses_h = uses_batch_or_head(mask)
-            blocks = create_block_mask(mask, q.shape[0] if uses_b else None,
-                                       q.shape[1] if uses_h else None, q.shape[2],
-                                       k.shape[2], block_size=block_size)
-        return flex_attention(q, k, v, score, blocks, scale=scale, enable_gqa=enable_gqa,
+        local_mask = (blocks.built(mask, *q.shape[:3], k.shape[2], block_size) if whole is None
+                      else local_blocks(whole, mask))
+        return flex_attention(q, k, v, score, local_mask, scale=scale, enable_gqa=enable_gqa,
                               return_lse=True, implementation=implementation, sinks=sinks)
 
     token_specs = tuple(P(*(None,) * (jnp.ndim(x) - 1), sequence_axis) for x in token_arrays)
