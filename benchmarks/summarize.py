@@ -2,9 +2,9 @@
 
     python -m benchmarks.summarize [--results benchmarks/results] [--plots benchmarks/plots]
 
-Reads attention.json, decode.json and matmul.json (each written by its benchmark's --json),
-prints one Markdown table per file and draws one PNG per file (matplotlib, the `bench` extra).
-Files that are missing are skipped.
+Reads attention.json, decode.json, matmul.json and context_parallel_2gpu.json (each written by
+its benchmark's --json), prints one Markdown table per file and draws one PNG per file
+(matplotlib, the `bench` extra). Files that are missing are skipped.
 """
 
 from __future__ import annotations
@@ -125,10 +125,57 @@ def matmul_plot(data: dict, figure) -> None:
     figure.suptitle(_title(data["environment"], "GEMM (bf16), higher is better"))
 
 
+_STRATEGY_COLUMNS = [(strategy, layout) for strategy in ("ring", "all_gather", "heads")
+                     for layout in ("contiguous", "zigzag")]
+
+
+def _context_parallel_cases(rows: list[dict]) -> list[tuple[int, str]]:
+    return list(dict.fromkeys((row["length"], row["mask"]) for row in rows if "strategy" in row))
+
+
+def _speedups(rows: list[dict], length: int, mask: str) -> dict[tuple[str, str], float]:
+    return {(row["strategy"], row["layout"]): row["speedup_vs_one_device"] for row in rows
+            if "strategy" in row and (row["length"], row["mask"]) == (length, mask)}
+
+
+def context_parallel_table(rows: list[dict]) -> str:
+    lines = ["| sequence, mask | one GPU ms | " + " | ".join(
+                 f"{strategy} {layout}" for strategy, layout in _STRATEGY_COLUMNS) +
+             " | auto runs (contiguous / zigzag) |",
+             "|---" * (len(_STRATEGY_COLUMNS) + 3) + "|"]
+    for length, mask in _context_parallel_cases(rows):
+        speedups = _speedups(rows, length, mask)
+        one = next(row["whole_one_device_ms"] for row in rows if "strategy" in row and
+                   (row["length"], row["mask"]) == (length, mask))
+        auto = {row["layout"]: row for row in rows if "auto_runs" in row and
+                (row["length"], row["mask"]) == (length, mask)}
+        chosen = " / ".join(
+            f"{auto[layout]['auto_runs']} ({auto[layout]['auto_over_best']:.2f}× best)"
+            if layout in auto else "—" for layout in ("contiguous", "zigzag"))
+        lines.append(f"| {length // 1024}k, {mask} | {one:.2f} | " + " | ".join(
+            _ratio(speedups.get(column)) for column in _STRATEGY_COLUMNS) + f" | {chosen} |")
+    return "\n".join(lines)
+
+
+def context_parallel_plot(data: dict, figure) -> None:
+    rows = data["rows"]
+    cases = _context_parallel_cases(rows)
+    axis = figure.subplots()
+    _bars(axis, [f"{length // 1024}k {mask}" for length, mask in cases],
+          {f"{strategy} {layout}": [_number(_speedups(rows, *case).get((strategy, layout)))
+                                    for case in cases]
+           for strategy, layout in _STRATEGY_COLUMNS},
+          "speed-up over one GPU")
+    axis.axhline(2.0, color="black", linewidth=0.8, linestyle="--")
+    figure.suptitle(_title(data["environment"], "Context parallelism on 2 GPUs, forward + "
+                                                "backward (B1 H16 D128 bf16), higher is better"))
+
+
 SUMMARIES: dict[str, tuple[Callable[[list], str], Callable]] = {
     "attention": (attention_table, attention_plot),
     "decode": (decode_table, decode_plot),
     "matmul": (matmul_table, matmul_plot),
+    "context_parallel_2gpu": (context_parallel_table, context_parallel_plot),
 }
 
 

@@ -1,7 +1,8 @@
 """Mesh axes inside `jax.shard_map`: outside one nothing varies and every helper returns its
 arguments as they are; inside, `aligned` casts operands to the union of their axes,
 `summed_to_vary_like` sums a cotangent over the axes its primal does not vary over, and
-`out_struct` types a kernel output like its operand."""
+`out_struct` types a kernel output like its operand; `kernel_operands` and `kernel_results`
+type a Mosaic GPU kernel's operands as varying over nothing and its results back."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jattn._src import compat
-from jattn._src.mesh_axes import aligned, out_struct, summed_to_vary_like, varying_axes
+from jattn._src.mesh_axes import (aligned, kernel_operands, kernel_results, out_struct,
+                                  summed_to_vary_like, varying_axes)
 
 
 def _mesh():
@@ -25,8 +27,11 @@ def test_outside_shard_map_nothing_varies_and_everything_is_returned_as_is():
     assert result[0] is x and result[1] is None and result[2]["y"] is y
     assert summed_to_vary_like(x, y) is x and summed_to_vary_like(None, y) is None
     struct = out_struct((2, 5), jnp.bfloat16, x)
-    assert struct == jax.ShapeDtypeStruct((2, 5), jnp.bfloat16)
-    assert compat.varying_axes_of(jax.typeof(struct)) == frozenset()
+    assert (struct.shape, struct.dtype) == ((2, 5), jnp.bfloat16)
+    assert compat.varying_axes_of(struct) == frozenset()
+    operands, axes = kernel_operands(x, None, y)
+    assert operands[0] is x and operands[1] is None and operands[2] is y and axes == ()
+    assert kernel_results(x, axes) is x
 
 
 def test_inside_shard_map_operands_are_cast_to_the_union_of_their_axes():
@@ -82,3 +87,20 @@ def test_out_struct_types_a_kernel_output_like_its_operand():
     assert compat.varying_axes_of(plain) == frozenset()
     if compat.VARYING_STRUCT_FIELD is not None:
         assert compat.varying_axes_of(varying) == frozenset({"i"})
+
+
+def test_a_kernel_sees_its_operands_as_varying_over_nothing_and_its_results_vary_again():
+    mesh, constant, seen = _mesh(), jnp.ones(2), {}
+
+    def body(x):
+        (a, c), axes = kernel_operands(x, constant)
+        seen["operands"] = varying_axes(a), varying_axes(c), axes
+        result = kernel_results(a * 2 + c, axes)  # (what a kernel would compute)
+        seen["result"] = varying_axes(result)
+        return result
+
+    x = jnp.arange(2.0 * mesh.size)
+    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("i"), out_specs=P("i")))(x)
+    np.testing.assert_array_equal(out, x * 2 + 1)
+    assert seen["operands"] == (frozenset(), frozenset(), ("i",))
+    assert seen["result"] == frozenset({"i"})

@@ -77,6 +77,16 @@ def varying_axes_of(aval: Any) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
+def without_varying_axes(aval: Any) -> Any:
+    """The abstract value typed as varying over no mesh axis."""
+    update = getattr(aval, "update_manual_axis_type", None)
+    if update is not None:
+        from jax._src import core
+
+        return update(core.empty_mat)
+    return aval.update(vma=frozenset())
+
+
 # The ShapeDtypeStruct keyword that types a value's varying axes (None: this jax has none).
 VARYING_STRUCT_FIELD = next(
     (name for name in ("manual_axis_type", "vma")

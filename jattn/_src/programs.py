@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
+from jattn._src.mesh_axes import mesh_key
 from jattn._src.user_functions import TracedFunction
 
 Program = TypeVar("Program")
@@ -59,7 +60,8 @@ def cache_names() -> list[str]:
 class ProgramCache(Generic[Program]):
     """key -> program; the least recently used beyond `maxsize` are dropped. Thread-safe: two
     threads that make the same program both get the one stored first. Registered under `name`
-    for `clear_caches`."""
+    for `clear_caches`. Keys are kept per mesh (`mesh_key`): what is traced inside shard_map
+    is typed by its mesh, and a program holding such traces runs only under that mesh."""
 
     def __init__(self, name: str, maxsize: int = MAX_PROGRAMS):
         self._programs: collections.OrderedDict[Hashable, Program] = collections.OrderedDict()
@@ -73,6 +75,7 @@ class ProgramCache(Generic[Program]):
     def get(self, key: Hashable) -> Program | None:
         # Without the lock (on every eager call's path): the dict's own operations are atomic,
         # and a key another thread evicts meanwhile is simply not reordered.
+        key = (mesh_key(), key)
         program = self._programs.get(key)
         if program is not None:
             try:
@@ -83,6 +86,7 @@ class ProgramCache(Generic[Program]):
 
     def put(self, key: Hashable, program: Program) -> Program:
         """Stores `program` unless one is stored under `key` already; returns the stored one."""
+        key = (mesh_key(), key)
         with self._lock:
             program = self._programs.setdefault(key, program)
             self._programs.move_to_end(key)

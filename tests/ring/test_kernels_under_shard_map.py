@@ -1,6 +1,6 @@
-"""The Pallas-Triton kernels under shard_map's type checks, lowered for CUDA (on the CPU too):
-mods closing over values that vary over a mesh axis (the ring's device index, a per-device
-array) become kernel inputs, and no mesh-axis cast reaches a kernel body."""
+"""The Pallas kernels under shard_map's type checks, lowered for CUDA (on the CPU too): mods
+closing over values that vary over a mesh axis (the ring's device index, a per-device array)
+become kernel inputs, and no mesh-axis cast reaches a kernel body."""
 
 import jax
 import jax.numpy as jnp
@@ -62,13 +62,12 @@ def test_flex_attention_with_a_mod_reading_the_device_index_lowers_for_cuda():
     assert "triton" in text.lower()
 
 
-@pytest.mark.parametrize("devices, backend", [(1, "mosaic_gpu"), (2, "triton")])
-def test_on_hopper_a_ring_of_several_devices_runs_the_triton_forward(monkeypatch, devices,
-                                                                     backend):
-    """The pairs of a multi-device ring read lists and a device index that vary over the mesh
-    axis, which the Mosaic GPU forward does not take (the registry passes it over, with the
-    reason); on one device they are constants and the Mosaic forward runs, as flex_attention's
-    does."""
+@pytest.mark.parametrize("devices, strategy", [(1, "ring"), (2, "ring"), (2, "all_gather"),
+                                               (2, "heads")])
+def test_on_hopper_every_strategy_runs_the_mosaic_kernels(monkeypatch, devices, strategy):
+    """The pairs' lists, the device index and the per-device heads and rows vary over the mesh
+    axis; the Mosaic GPU kernels take them (their bodies see them as pallas_call's do), so the
+    forward and both backward kernels are Mosaic's on one device and on several."""
     if GPU_PRESENT and devices > 1:
         pytest.skip("lowers over abstract devices on the CPU only")
     pytest.importorskip("absl")
@@ -77,10 +76,10 @@ def test_on_hopper_a_ring_of_several_devices_runs_the_triton_forward(monkeypatch
     def attention(q, k, v, table):
         return jattn.ring_flex_attention(
             q, k, v, lambda s, b, h, qi, ki: s + table[h], jattn.masks.causal_mask,
-            axis_name="x")
+            axis_name="x", strategy=strategy)
 
     q = jnp.ones((1, 2, 512, 64), jnp.bfloat16)
     text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2,), jnp.float32),
                           devices=devices)
-    assert ("mosaic_gpu" in text) == (backend == "mosaic_gpu") and "triton" in text.lower()
-
+    for kernel in ("mosaic_gpu", "jattn_mosaic_bwd_dq", "jattn_mosaic_bwd_dkdv"):
+        assert kernel in text, kernel

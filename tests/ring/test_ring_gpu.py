@@ -27,18 +27,21 @@ def _gpus(n):
     return gpus[:n]
 
 
-def _alibi_and_table(table):
+def _alibi_and_table(table, read=None):
+    """ALiBi, plus a learnable table [Hq, L] read by head and key position where `read` is
+    "by_position" (on a Hopper GPU, the Mosaic GPU kernels read it under the all_gather and
+    heads strategies; the ring's pairs map key positions, so pallas_triton runs them)."""
     def score_mod(score, b, h, q_idx, kv_idx):
-        slope = jnp.exp2(-(h + 1.0) / 2)
-        return score - slope * jnp.abs(q_idx - kv_idx) + table[h, (q_idx - kv_idx) % 64]
+        alibi = score - jnp.exp2(-(h + 1.0) / 2) * jnp.abs(q_idx - kv_idx)
+        return alibi if read is None else alibi + table[h, kv_idx]
     return score_mod
 
 
-def _ring(mesh, layout, strategy="ring"):
+def _ring(mesh, layout, strategy="ring", read=None):
     n = mesh.shape["seq"]
 
     def local(q, k, v, table):
-        return jattn.ring_flex_attention(q, k, v, _alibi_and_table(table),
+        return jattn.ring_flex_attention(q, k, v, _alibi_and_table(table, read),
                                          jattn.masks.causal_mask, axis_name="seq",
                                          layout=layout, enable_gqa=True, return_lse=True,
                                          strategy=strategy)
@@ -58,30 +61,35 @@ def _ring(mesh, layout, strategy="ring"):
     return ring
 
 
-def _whole(q, k, v, table):
+def _whole(q, k, v, table, read=None):
     block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
-    return attention_reference(q, k, v, _alibi_and_table(table), block_mask)
+    return attention_reference(q, k, v, _alibi_and_table(table, read), block_mask)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("strategy", ["ring", "all_gather", "heads"])
-def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, strategy):
+@pytest.mark.parametrize("read", ["by_position", None])
+def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, strategy, read):
+    if read is None and (strategy, layout) != ("ring", "zigzag"):
+        pytest.skip("ALiBi alone (the ring's pairs on the Mosaic GPU kernels) in one layout")
     if strategy == "heads" and Hkv % n:
         pytest.skip(f"strategy='heads' splits the {Hkv} kv heads over the devices")
     mesh = Mesh(np.array(_gpus(n)), ("seq",))
     rng = np.random.default_rng(n)
     q = random(rng, (B, Hq, L, E), jnp.bfloat16)
     k, v = (random(rng, (B, Hkv, L, E), jnp.bfloat16) for _ in range(2))
-    table = random(rng, (Hq, 64), jnp.float32) * 0.1
+    table = random(rng, (Hq, L), jnp.float32) * 0.1
     cotangents = random(rng, q.shape, jnp.bfloat16), random(rng, q.shape[:3], jnp.float32)
-    ring = _ring(mesh, layout, strategy)
+    ring = _ring(mesh, layout, strategy, read)
     out, lse = jax.jit(ring)(q, k, v, table)
     grads = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangents))(q, k, v, table)
 
+    whole = functools.partial(_whole, read=read)
+
     def pulled_back(*x):
-        return (*_whole(*x[:4]), *random_cotangent_vjp(_whole, x[:4], x[4:]))
+        return (*whole(*x[:4]), *random_cotangent_vjp(whole, x[:4], x[4:]))
 
     gold = golden(pulled_back, q, k, v, table, *cotangents)
     low = low_precision(pulled_back, q, k, v, table, *cotangents)
@@ -96,11 +104,11 @@ def test_one_gpu_ring_forward_equals_flex_attention_bitwise():
     rng = np.random.default_rng(0)
     q = random(rng, (B, Hq, L, E), jnp.bfloat16)
     k, v = (random(rng, (B, Hkv, L, E), jnp.bfloat16) for _ in range(2))
-    table = random(rng, (Hq, 64), jnp.float32) * 0.1
+    table = random(rng, (Hq, L), jnp.float32) * 0.1
     out, lse = jax.jit(_ring(mesh, "contiguous"))(q, k, v, table)
     block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
     ref_out, ref_lse = jax.jit(lambda q, k, v, table: jattn.flex_attention(
-        q, k, v, _alibi_and_table(table), block_mask, enable_gqa=True, return_lse=True))(
-            q, k, v, table)
+        q, k, v, _alibi_and_table(table), block_mask, enable_gqa=True,
+        return_lse=True))(q, k, v, table)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
     np.testing.assert_array_equal(lse, ref_lse)

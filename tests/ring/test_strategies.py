@@ -1,6 +1,6 @@
 """ring_flex_attention's strategies besides the ring, "all_gather" and "heads", across forced
 CPU devices: flex_attention on the whole sequence (output, LSE, gradients of q, k, v and a
-learnable table), both layouts, and the collectives each runs."""
+learnable table), both layouts, the collectives each runs, and what "auto" runs."""
 
 import re
 
@@ -119,6 +119,52 @@ def test_output_lse_and_gradients_equal_flex_attention_on_the_whole_sequence(str
         assert_close(g, g64, g_low, what=name)
 
 
+def _collectives(fn, *args):
+    text = str(jax.make_jaxpr(fn)(*args))
+    names = ("ppermute", "all_gather", "reduce_scatter", "all_to_all")
+    return {name: len(re.findall(rf"\b{name}\[", text)) for name in names}
+
+
+def _causal_then_documents(b, h, q_idx, kv_idx):  # documents of 64 tokens from 128 on
+    return (q_idx >= kv_idx) & ((q_idx < 128) | (q_idx // 64 == kv_idx // 64))
+
+
+@pytest.mark.parametrize("heads, layout, mask, given_as, runs", [
+    (8, "contiguous", "causal", "block_mask", "heads"),  # the last device does 1.5x the mean
+    (8, "zigzag", "causal", "block_mask", "ring"),  # equal work
+    (8, "contiguous", "documents", "block_mask", "ring"),  # documents within the shards
+    (8, "contiguous", "skewed", "block_mask", "heads"),  # causal on one shard, documents on one
+    (8, "zigzag", "causal", "mask_mod", "heads"),  # the balance is not known
+    (8, "contiguous", None, None, "ring"),  # no mask: equal work
+    (4, "contiguous", "causal", "block_mask", "ring"),  # Hkv=2 does not divide by 4 devices
+])
+def test_auto_runs_the_ring_where_work_is_balanced_and_the_heads_elsewhere(
+        heads, layout, mask, given_as, runs):
+    n = 4
+    mask_mod = {"causal": jattn.masks.causal_mask, "documents": jattn.masks.document_mask(
+        jnp.arange(L) // 64), "skewed": _causal_then_documents, None: None}[mask]
+    whole_mask = (jattn.create_block_mask(mask_mod, None, None, L, L, block_size=16)
+                  if given_as == "block_mask" else None)
+
+    def local(q, k, v):
+        return jattn.ring_flex_attention(
+            q, k, v, mask_mod=mask_mod if given_as == "mask_mod" else None, axis_name="seq",
+            layout=layout, implementation="xla", block_size=16, enable_gqa=True,
+            block_mask=whole_mask)
+
+    sharded = jax.shard_map(local, mesh=_mesh(n), in_specs=(SEQ,) * 3, out_specs=SEQ)
+    q, kv = jnp.ones((1, heads, L, E)), jnp.ones((1, heads // 2, L, E))
+    seen = _collectives(sharded, q, kv, kv)
+    assert (seen["all_to_all"] > 0, seen["ppermute"] > 0 or seen == dict.fromkeys(seen, 0)) == (
+        runs == "heads", runs == "ring"), seen
+    # sharded_flex_attention judges the same from the global BlockMask
+    if given_as == "block_mask":
+        seen = _collectives(lambda q, k, v: jattn.sharded_flex_attention(
+            q, k, v, mesh=_mesh(n), sequence_axis="seq", layout=layout, block_mask=whole_mask,
+            block_size=16, implementation="xla", enable_gqa=True), q, kv, kv)
+        assert (seen["all_to_all"] > 0) == (runs == "heads"), seen
+
+
 @pytest.mark.parametrize("strategy, forward, backward", [
     ("all_gather", {"all_gather": 2}, {"reduce_scatter": 2}),  # K, V; dK, dV
     ("heads", {"all_to_all": 5}, {"all_to_all": 10}),  # q, k, v in, out and LSE back
@@ -129,15 +175,10 @@ def test_each_strategy_runs_its_collectives_and_no_ring(strategy, forward, backw
     k = v = jnp.ones((1, 4, L, E))
     run = _sharded(n, strategy, "contiguous", TABLE[:8], "causal")
 
-    def counts(fn, *args):
-        text = str(jax.make_jaxpr(fn)(*args))
-        names = ("ppermute", "all_gather", "reduce_scatter", "all_to_all")
-        return {name: len(re.findall(rf"\b{name}\[", text)) for name in names}
-
-    seen = counts(run, q, k, v)
+    seen = _collectives(run, q, k, v)
     assert seen == {"ppermute": 0, "all_gather": 0, "reduce_scatter": 0, "all_to_all": 0,
                     **forward}
-    seen = counts(lambda q, k, v: jax.vjp(run, q, k, v)[1]((q, q[..., 0])), q, k, v)
+    seen = _collectives(lambda q, k, v: jax.vjp(run, q, k, v)[1]((q, q[..., 0])), q, k, v)
     assert seen["ppermute"] == 0
     assert all(seen[name] == count for name, count in backward.items()), seen
 
@@ -151,8 +192,8 @@ def test_heads_must_divide_by_the_devices():
 
 def test_unknown_strategy():
     q = jnp.ones((1, 8, L, E))
-    with pytest.raises(ValueError, match=r"`strategy` must be one of \('ring', 'all_gather', "
-                                         r"'heads'\), got 'ulysses'"):
+    with pytest.raises(ValueError, match=r"`strategy` must be one of \('auto', 'ring', "
+                                         r"'all_gather', 'heads'\), got 'ulysses'"):
         _sharded(2, "ulysses", "contiguous", TABLE[:8], "causal")(q, q, q)
     mesh = _mesh(2)
     with pytest.raises(ValueError, match="sharded_flex_attention: `strategy` must be one of"):

@@ -21,7 +21,7 @@ from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
 from jattn._src.masks.fitting import fitted
-from jattn._src.mesh_axes import summed_to_vary_like, varying_axes
+from jattn._src.mesh_axes import summed_to_vary_like
 from jattn._src.programs import ProgramCache
 from jattn._src.tiling import cdiv
 from jattn._src.user_functions import CaptureSet
@@ -481,7 +481,6 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
                                                mod_keys, (L, S)),
-        varying_tables=_varying_axes_of(lists, *score_set.captures, *mask_set.captures),
         max_scores=max_scores)
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full, max_scores, *mod_keys)
@@ -526,12 +525,6 @@ def _unreadable_capture(score_mod, mask_mod, score_set: CaptureSet, mask_set: Ca
         fact = _UNREADABLE.put(key, (pallas_mosaic_gpu.unreadable_capture(
             score_mod, mask_mod, score_set.captures, mask_set.captures, seq_lengths),))
     return fact[0]
-
-
-def _varying_axes_of(*trees) -> tuple[str, ...]:
-    """The mesh axes any array in `trees` varies over (inside shard_map; else none)."""
-    leaves = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.Array)]
-    return tuple(sorted(frozenset().union(*(varying_axes(x) for x in leaves))))
 
 
 def _without_captures(problem: Problem) -> Problem:

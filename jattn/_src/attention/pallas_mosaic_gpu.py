@@ -36,7 +36,7 @@ HEAD_DIMS = (64, 128)
 
 
 def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
-                block_size=None, unreadable_capture=None, varying_tables=(),
+                block_size=None, unreadable_capture=None,
                 max_scores=False, **facts) -> str | None:
     """Why the Mosaic GPU forward cannot run a call (None when it can)."""
     if not hardware.is_hopper():
@@ -52,12 +52,6 @@ def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
         return f"it walks BlockMasks of {BLOCK} blocks, not {tuple(block_size)}."
     if seq_lengths is not None and any(n % 128 for n in seq_lengths):
         return f"it takes lengths that are multiples of 128, not L, S = {tuple(seq_lengths)}."
-    if varying_tables:
-        # Scalars read from them vary too, and the kernel's loops then change type under
-        # shard_map's checks (a multi-device ring's pair lists and device index do this).
-        return (f"inside shard_map it reads BlockMask lists and captured arrays that do not "
-                f"vary over mesh axes, and these vary over {varying_tables}; pallas_triton's "
-                "may.")
     if unreadable_capture is not None:
         return (f"its mods read captured arrays by element (as `slopes[h]` or `bias[b, h]`) or "
                 f"by position along their last dimension (as `doc_ids[b, q_idx]`), and "

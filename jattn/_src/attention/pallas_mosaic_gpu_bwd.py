@@ -35,6 +35,7 @@ from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, BlockList
                                                            stream, tile_of)
 from jattn._src.constants import LOG2_E
 from jattn._src.masks.block_mask import MaskLists
+from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 
 KEYS = 64  # keys per consumer warpgroup in the dK/dV kernel
 QUERIES = 64  # queries per dK/dV step: half a BlockMask block
@@ -360,23 +361,25 @@ def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_ca
     # and heads) first, and so on.
     q_lists = masks.major("q")
     column_order = heaviest_first(q_lists, masks.has_full, summed_axes=(0, 1))
-    dkdv_inputs = (q, k, v, d_out, lse2, delta, *q_lists, column_order, *captures)
+    dkdv_inputs, axes = kernel_operands(q, k, v, d_out, lse2, delta, *q_lists, column_order,
+                                        *captures)
     dkdv = functools.partial(
-        launch, out_type=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                          jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        launch, out_type=[out_struct(k.shape, k.dtype, dkdv_inputs[0]),
+                          out_struct(v.shape, v.dtype, dkdv_inputs[0])],
         grid=(p.B * p.Hkv, p.S // BLOCK[1]), grid_names=("heads", "columns"))
     if REDUCE_ADD_DQ:
         dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = dkdv(functools.partial(_dkdv_kernel, fns=fns_dkdv, reduce_dq=True, **common),
                       "jattn_mosaic_bwd_dkdv_dq")(*dkdv_inputs, dq_accum)
-        return (dq_accum[...] * p.scale).astype(q.dtype), dk, dv
+        return kernel_results(((dq_accum[...] * p.scale).astype(q.dtype), dk, dv), axes)
     dk, dv = dkdv(functools.partial(_dkdv_kernel, fns=fns_dkdv, reduce_dq=False, **common),
                   "jattn_mosaic_bwd_dkdv")(*dkdv_inputs)
 
     # dQ: the rows with the most blocks first, so that the last programs to start are short.
     kv_lists = masks.major("kv")
     row_order = heaviest_first(kv_lists, masks.has_full)
+    dq_inputs, _ = kernel_operands(q, k, v, d_out, lse2, delta, *kv_lists, row_order, *captures)
     dq = launch(functools.partial(_dq_kernel, fns=fns_dq, **common), "jattn_mosaic_bwd_dq",
-                jax.ShapeDtypeStruct(q.shape, q.dtype), (p.B * p.Hq * (p.L // BLOCK[0]),),
-                ("programs",))(q, k, v, d_out, lse2, delta, *kv_lists, row_order, *captures)
-    return dq, dk, dv
+                out_struct(q.shape, q.dtype, dq_inputs[0]), (p.B * p.Hq * (p.L // BLOCK[0]),),
+                ("programs",))(*dq_inputs)
+    return kernel_results((dq, dk, dv), axes)

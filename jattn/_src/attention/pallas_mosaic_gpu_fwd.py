@@ -29,6 +29,7 @@ from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, heaviest_f
                                                            key_blocks, operand_transforms,
                                                            stream, tile_of)
 from jattn._src.constants import LOG2_E, MASK_VALUE
+from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
 # from one into the next: on the H100, 8 is faster than 1 on full and document masks and no
@@ -254,10 +255,11 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
                                score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype,
                                group=group, dealt=dealt)
+    operands, axes = kernel_operands(q, k, v, *lists, order, *score_captures, *mask_captures)
     out, lse = plgpu.kernel(
         kernel,
-        out_type=[jax.ShapeDtypeStruct((p.B, p.Hq, p.L, p.E), q.dtype),
-                   jax.ShapeDtypeStruct((p.B, p.Hq, p.L), jnp.float32)],
+        out_type=[out_struct((p.B, p.Hq, p.L, p.E), q.dtype, operands[0]),
+                  out_struct((p.B, p.Hq, p.L), jnp.float32, operands[0])],
         grid=(programs,),
         grid_names=("programs",),
         num_threads=CONSUMERS + 1,
@@ -265,5 +267,5 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
         # Approximate exp2/log2 (one MUFU op each) suit the softmax, as in the Triton kernels;
         # the mods' tanh avoids tanh.approx (pallas_mosaic_gpu_mods).
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, *lists, order, *score_captures, *mask_captures)
-    return out, lse
+    )(*operands)
+    return kernel_results((out, lse), axes)

@@ -32,6 +32,7 @@ from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.mesh_axes import aligned, summed_to_vary_like
 from jattn._src.ring import gathered
+from jattn._src.ring import strategy as strategies
 from jattn._src.ring.arguments import check_whole_mask, checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
@@ -325,7 +326,7 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         implementation: str | None = None, block_size: int = 128,
                         token_arrays: Sequence[jax.Array] = (),
                         block_mask: BlockMask | None = None, sinks: jax.Array | None = None,
-                        strategy: str = "ring"):
+                        strategy: str = "auto"):
     """flex_attention over a sequence sharded across the devices of a mesh axis (a ring, or
     another `strategy`).
 
@@ -368,8 +369,11 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         and attends its queries to them (the backward reduce-scatters dK/dV); cheap with
         few kv heads. "heads": an all-to-all trades the sequence shards for whole sequences
         of 1/n of the heads (Hq and Hkv must divide by the devices), flex_attention runs
-        there, and the output returns to sequence shards (Ulysses). The result and its
-        gradients are the same for each (docs/context_parallel.md).
+        there, and the output returns to sequence shards (Ulysses). "auto" (the default):
+        the ring where a whole-sequence `block_mask` with known values gives every device's
+        queries about equal work (or no mask; or the heads do not divide), "heads"
+        elsewhere, as measured on GPUs. The result and its gradients are the same for each
+        (docs/context_parallel.md).
 
     Returns:
       [B, Hq, Lc, Ev] of q's dtype, this device's shard of the output; with return_lse also
@@ -396,14 +400,21 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: RingSchedule | None, *,
-                             return_lse: bool, sinks, strategy: str = "ring", **options):
+                             return_lse: bool, sinks, strategy: str = "auto", **options):
     """ring_flex_attention running the ring steps `schedule` (`ring_schedule` of the whole
     sequence's BlockMask where its values are known: sharded_flex_attention works it out
     before the mask enters shard_map as an argument), or (None) those it finds itself; or
-    another `strategy` (`gathered`)."""
-    if strategy not in gathered.STRATEGIES:
-        raise ValueError(f"{_FN}: `strategy` must be one of {gathered.STRATEGIES}, got "
-                         f"{strategy!r}.")
+    another `strategy` (`gathered`; "auto": `strategy.resolved`)."""
+    strategies.check(_FN, strategy)
+    checked = functools.partial(_checked, q, k, mask_mod, axis_name=options["axis_name"],
+                                layout=options["layout"], token_arrays=options["token_arrays"],
+                                block_mask=options["block_mask"])
+    if strategy == "auto":
+        checked()  # (the arguments that decide, checked first)
+        strategy = strategies.resolved(
+            strategy, block_mask=options["block_mask"], has_mask_mod=mask_mod is not None,
+            num_devices=lax.axis_size(options["axis_name"]), layout=options["layout"],
+            heads=q.shape[1], kv_heads=k.shape[1])
     sinks = checked_sinks(_FN, sinks, q.shape[1])
     if strategy == "ring":
         ring, score_caps, mask_caps, tokens = _setup(q, k, v, score_mod, mask_mod,
@@ -414,10 +425,7 @@ def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: RingSchedul
         whole = None if whole is None else dataclasses.replace(whole, mask_mod=None)
         out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, whole)
     else:
-        mask_mod, tokens = _checked(q, k, mask_mod, axis_name=options["axis_name"],
-                                    layout=options["layout"],
-                                    token_arrays=options["token_arrays"],
-                                    block_mask=options["block_mask"])
+        mask_mod, tokens = checked()
         out, lse = gathered.attention(strategy, q, k, v, score_mod, mask_mod,
                                       **{**options, "token_arrays": tokens})
     if sinks is not None:

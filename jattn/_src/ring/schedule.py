@@ -51,13 +51,14 @@ def every_step(num_devices: int) -> RingSchedule:
     return RingSchedule(tuple(range(num_devices)))
 
 
-def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -> RingSchedule:
-    """Where some device's pair visits a block of `block_mask` (the whole sequence's, [Bm, Hm,
-    L, L]): the steps, those where every device's does, and which key blocks; every step,
-    whole shards, where there is no BlockMask or its values are traced."""
-    if block_mask is None or num_devices == 1 or any(
-            isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(block_mask)):
-        return every_step(num_devices)
+def _values_known(block_mask: BlockMask | None) -> bool:
+    return block_mask is not None and not any(
+        isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(block_mask))
+
+
+def _visited_blocks(block_mask: BlockMask, num_devices: int, layout: str):
+    """(visited [query blocks, key blocks] of the whole sequence, any batch row or head;
+    each device's query block rows; each device's key block columns)."""
     shard = block_mask.seq_lengths[0] // num_devices
     with jax.ensure_compile_time_eval():  # (values known: computed now, not staged)
         visited = np.asarray(block_mask.partial_blocks() | block_mask.full_blocks())
@@ -69,7 +70,29 @@ def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -
 
         rows = [blocks(d, block_mask.block_size[0]) for d in range(num_devices)]
         columns = [blocks(d, block_mask.block_size[1]) for d in range(num_devices)]
-    visited = visited.any(axis=(0, 1))
+    return visited.any(axis=(0, 1)), rows, columns
+
+
+def work_balance(block_mask: BlockMask | None, num_devices: int, layout: str) -> float | None:
+    """The most blocks one device's queries visit over the mean (1: equal work), where the
+    whole sequence's BlockMask values are known; None where they are not. No BlockMask (no
+    mask) is equal work."""
+    if block_mask is None:
+        return 1.0
+    if not _values_known(block_mask):
+        return None
+    visited, rows, _ = _visited_blocks(block_mask, num_devices, layout)
+    work = np.array([visited[r].sum() for r in rows], np.float64)
+    return float(work.max() / work.mean()) if work.sum() else 1.0
+
+
+def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -> RingSchedule:
+    """Where some device's pair visits a block of `block_mask` (the whole sequence's, [Bm, Hm,
+    L, L]): the steps, those where every device's does, and which key blocks; every step,
+    whole shards, where there is no BlockMask or its values are traced."""
+    if num_devices == 1 or not _values_known(block_mask):
+        return every_step(num_devices)
+    visited, rows, columns = _visited_blocks(block_mask, num_devices, layout)
     # [step, device, key block of the shard in hand]: visited by the device's queries
     used = np.array([[visited[np.ix_(rows[d], columns[(d - step) % num_devices])].any(axis=0)
                       for d in range(num_devices)] for step in range(num_devices)])

@@ -19,9 +19,9 @@ from jattn._src.attention.api import flex_attention
 from jattn._src.attention.sinks import checked_sinks
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.ring import blocks
+from jattn._src.ring import strategy as strategies
 from jattn._src.ring.arguments import checked_token_arrays, mask_mod_of
 from jattn._src.ring.attention import scheduled_ring_attention
-from jattn._src.ring.gathered import STRATEGIES
 from jattn._src.ring.schedule import ring_schedule
 
 _FN = "sharded_flex_attention"
@@ -60,7 +60,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                            return_lse: bool = False, implementation: str | None = None,
                            block_size: int = 128, token_arrays: Sequence[jax.Array] = (),
                            block_mask: BlockMask | None = None,
-                           sinks: jax.Array | None = None, strategy: str = "ring"):
+                           sinks: jax.Array | None = None, strategy: str = "auto"):
     """flex_attention on global q, k, v split over `mesh`: batch over `batch_axis`, heads
     over `head_axis`, the sequence over `sequence_axis` (a ring: `ring_flex_attention`).
 
@@ -87,9 +87,9 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         leaves empty on every device, transfers included.
       sinks: attention sinks [Hq], one logit per query head, as in flex_attention (split
         with the heads over `head_axis`).
-      strategy: how the devices of `sequence_axis` share the keys: "ring", "all_gather" or
-        "heads", as in ring_flex_attention (the heads this device holds split further for
-        "heads").
+      strategy: how the devices of `sequence_axis` share the keys: "auto" (the default),
+        "ring", "all_gather" or "heads", as in ring_flex_attention (the heads this device
+        holds split further for "heads"; "auto" judges a block_mask given outside jit).
 
     Returns:
       [B, Hq, L, Ev] (and the [B, Hq, L] LSE with return_lse), split as the inputs are.
@@ -105,8 +105,7 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     axes = {"batch_axis": batch_axis, "head_axis": head_axis, "sequence_axis": sequence_axis}
     _check_axes(mesh, q, k, axes)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{_FN}: `strategy` must be one of {STRATEGIES}, got {strategy!r}.")
+    strategies.check(_FN, strategy)
     checked_token_arrays(_FN, token_arrays, q.shape[2],
                          f"has the sequence ({q.shape[2]} positions) as its last axis")
     mask_mod = mask_mod_of(_FN, mask_mod, block_mask, "arrays")
@@ -131,6 +130,11 @@ def sharded_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
             heads=None if head_axis is None else (_offset(head_axis, H_local), H_local))
 
     # (worked out here: inside shard_map the BlockMask is an argument, its values traced)
+    if sequence_axis is not None:
+        strategy = strategies.resolved(
+            strategy, block_mask=block_mask, has_mask_mod=mask_mod is not None,
+            num_devices=mesh.shape[sequence_axis], layout=layout, heads=H_local,
+            kv_heads=k.shape[1] // (1 if head_axis is None else mesh.shape[head_axis]))
     schedule = None if sequence_axis is None or strategy != "ring" else ring_schedule(
         block_mask, mesh.shape[sequence_axis], layout)
 
