@@ -290,20 +290,19 @@ def _checked(q, k, mask_mod, *, axis_name, layout, token_arrays, block_mask):
     return mask_mod, tokens
 
 
-def _setup(q, k, v, score_mod, mask_mod, *, axis_name, layout, scale, enable_gqa,
-           implementation, block_size, token_arrays, block_mask, schedule=None):
-    """The checked call as (_Ring, score_mod's captures, mask_mod's captures, tokens); the
-    ring's steps `schedule`, or (None) those `ring_schedule` finds in block_mask."""
+def _setup(q, score_mod, mask_mod, tokens, *, axis_name, layout, scale, enable_gqa,
+           implementation, block_size, block_mask, schedule=None):
+    """(_Ring, score_mod's captures, mask_mod's captures) of the call whose mask_mod and
+    token arrays `_checked` gave; the ring's steps `schedule`, or (None) those
+    `ring_schedule` finds in block_mask."""
     n, Lc = lax.axis_size(axis_name), q.shape[2]
-    mask_mod, tokens = _checked(q, k, mask_mod, axis_name=axis_name, layout=layout,
-                                token_arrays=token_arrays, block_mask=block_mask)
     views = [jax.ShapeDtypeStruct(x.shape[:-1] + (n * Lc,), x.dtype) for x in tokens]
     mods, score_caps, mask_caps = RingMods.of(score_mod, mask_mod, views)
     if schedule is None:
         schedule = ring_schedule(block_mask, n, layout)
     ring = _Ring(mods, axis_name, layout, scale, enable_gqa, implementation, block_size,
                  None if block_mask is None else block_mask.block_size, schedule)
-    return ring, tuple(score_caps), tuple(mask_caps), tuple(tokens)
+    return ring, tuple(score_caps), tuple(mask_caps)
 
 
 def ring_steps(q, k, v, score_mod=None, mask_mod=None, *, axis_name: str, layout: str, scale,
@@ -311,11 +310,13 @@ def ring_steps(q, k, v, score_mod=None, mask_mod=None, *, axis_name: str, layout
                block_mask=None):
     """(out [B, Hq, Lc, Ev] of q's dtype, lse [B, Hq, Lc] float32, pairs launched on this
     device: int32) of ring_flex_attention inside shard_map, not differentiable."""
-    ring, score_caps, mask_caps, tokens = _setup(
-        q, k, v, score_mod, mask_mod, axis_name=axis_name, layout=layout, scale=scale,
+    mask_mod, tokens = _checked(q, k, mask_mod, axis_name=axis_name, layout=layout,
+                                token_arrays=token_arrays, block_mask=block_mask)
+    ring, score_caps, mask_caps = _setup(
+        q, score_mod, mask_mod, tokens, axis_name=axis_name, layout=layout, scale=scale,
         enable_gqa=enable_gqa, implementation=implementation, block_size=block_size,
-        token_arrays=token_arrays, block_mask=block_mask)
-    return _forward(ring, q, k, v, score_caps, mask_caps, tokens, block_mask)[:3]
+        block_mask=block_mask)
+    return _forward(ring, q, k, v, score_caps, mask_caps, tuple(tokens), block_mask)[:3]
 
 
 def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -406,27 +407,25 @@ def scheduled_ring_attention(q, k, v, score_mod, mask_mod, schedule: RingSchedul
     before the mask enters shard_map as an argument), or (None) those it finds itself; or
     another `strategy` (`gathered`; "auto": `strategy.resolved`)."""
     strategies.check(_FN, strategy)
-    checked = functools.partial(_checked, q, k, mask_mod, axis_name=options["axis_name"],
-                                layout=options["layout"], token_arrays=options["token_arrays"],
-                                block_mask=options["block_mask"])
-    if strategy == "auto":
-        checked()  # (the arguments that decide, checked first)
-        strategy = strategies.resolved(
-            strategy, block_mask=options["block_mask"], has_mask_mod=mask_mod is not None,
-            num_devices=lax.axis_size(options["axis_name"]), layout=options["layout"],
-            heads=q.shape[1], kv_heads=k.shape[1])
+    checked_mask_mod, tokens = _checked(
+        q, k, mask_mod, axis_name=options["axis_name"], layout=options["layout"],
+        token_arrays=options["token_arrays"], block_mask=options["block_mask"])
+    strategy = strategies.resolved(
+        strategy, block_mask=options["block_mask"], has_mask_mod=mask_mod is not None,
+        num_devices=lax.axis_size(options["axis_name"]), layout=options["layout"],
+        heads=q.shape[1], kv_heads=k.shape[1])
     sinks = checked_sinks(_FN, sinks, q.shape[1])
     if strategy == "ring":
-        ring, score_caps, mask_caps, tokens = _setup(q, k, v, score_mod, mask_mod,
-                                                     schedule=schedule, **options)
+        ring, score_caps, mask_caps = _setup(
+            q, score_mod, checked_mask_mod, tokens, schedule=schedule,
+            **{key: value for key, value in options.items() if key != "token_arrays"})
         # (the pairs read the ring's own mods: the BlockMask enters the custom_vjp as its
         # lists alone, not with its mask_mod's leaves, which may be functions)
         whole = options["block_mask"]
         whole = None if whole is None else dataclasses.replace(whole, mask_mod=None)
-        out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tokens, whole)
+        out, lse = _ring_attention(ring, q, k, v, score_caps, mask_caps, tuple(tokens), whole)
     else:
-        mask_mod, tokens = checked()
-        out, lse = gathered.attention(strategy, q, k, v, score_mod, mask_mod,
+        out, lse = gathered.attention(strategy, q, k, v, score_mod, checked_mask_mod,
                                       **{**options, "token_arrays": tokens})
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
