@@ -76,6 +76,8 @@ def _evaluate_equation(primitive, operands: list[Any], params: dict[str, Any],
         [operand] = operands
         if deferred:  # the rewrite aligns what it binds
             return [operand]
+        if rewrite is not None and not isinstance(operand, jax.core.Tracer):
+            return [operand]  # a constant the rewrite reads as one (each bind aligns)
         missing = tuple(sorted(set(params["axes"]) - varying_axes(operand)))
         return [jax.lax.pcast(operand, missing, to="varying") if missing else operand]
     varying = not deferred and any(varying_axes(x) for x in operands)

@@ -127,6 +127,25 @@ READABLE = {
                                                    jattn.masks.document_mask(_BATCH_DOC_IDS))),
     "bias[kv_idx + 8]": (lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 8], None),
 }
+# A context-parallel ring's global positions (4 devices, shards of 4096): the device index a
+# captured scalar, its range stated by a clamp; zigzag shards' two halves chosen per tile;
+# keys taken a few blocks of 128 at a time, each block's shift read from a table.
+_DEVICE = jnp.int32(2)
+_BLOCK_SHIFTS = jnp.asarray(np.minimum(np.arange(32) % 5, 31 - np.arange(32)), jnp.int32)
+_LONG_IDS = jnp.arange(16384, dtype=jnp.int32) // 300
+_LONG_BIAS = jnp.linspace(-1.0, 1.0, 16384, dtype=jnp.float32)
+
+
+def _zigzag_position(local):
+    device = jax.lax.clamp(0, _DEVICE, 3)
+    return jnp.where(local < 2048, local + device * 2048, local - 2048 + (7 - device) * 2048)
+
+
+def _taken_key_position(kv_idx):
+    shift = jax.lax.clamp(0, _BLOCK_SHIFTS[jax.lax.div(kv_idx, np.int32(128))], 4)
+    return kv_idx + shift * 128
+
+
 _TRICKY = {  # reads and index arithmetic the kernel's evaluation keeps symbolic or decides
     "shifted and compared": (
         lambda s, b, h, q_idx, kv_idx: s + _POSITION_BIAS[kv_idx + 8]
@@ -136,6 +155,12 @@ _TRICKY = {  # reads and index arithmetic the kernel's evaluation keeps symbolic
     "negative indices": (
         lambda s, b, h, q_idx, kv_idx: s + _TABLE[b - 2, -1 - h % 4].astype(jnp.float32),
         lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx - 4096] != _DOC_IDS[-4096 + kv_idx]),
+    "a ring's global positions": (
+        lambda s, b, h, q_idx, kv_idx: s + _LONG_BIAS[_zigzag_position(kv_idx)]
+        - _LONG_BIAS[q_idx + jax.lax.clamp(0, _DEVICE, 3) * 4096],
+        lambda b, h, q_idx, kv_idx: (
+            _LONG_IDS[_zigzag_position(q_idx)] == _LONG_IDS[_taken_key_position(kv_idx)])
+        & (_zigzag_position(q_idx) >= _taken_key_position(kv_idx))),
 }
 UNREADABLE = {
     "bias[q_idx - kv_idx]": (
@@ -269,7 +294,8 @@ def test_captured_reads_lower_for_cuda(as_if_on_hopper):
 
 
 @pytest.mark.parametrize("mods", [(_position_biases, _ragged_documents),
-                                  _TRICKY["shifted and compared"]])
+                                  _TRICKY["shifted and compared"],
+                                  _TRICKY["a ring's global positions"]])
 def test_runs_by_position_lower_for_cuda(as_if_on_hopper, mods):
     """Vector loads along q_idx and kv_idx of int32, bool, f32 and bf16 captured arrays (each
     tile's 64 rows or 128 columns), with the document ids per batch row; comparisons that the

@@ -62,12 +62,23 @@ def test_flex_attention_with_a_mod_reading_the_device_index_lowers_for_cuda():
     assert "triton" in text.lower()
 
 
-@pytest.mark.parametrize("devices, strategy", [(1, "ring"), (2, "ring"), (2, "all_gather"),
-                                               (2, "heads")])
-def test_on_hopper_every_strategy_runs_the_mosaic_kernels(monkeypatch, devices, strategy):
+# documents of 300, 400 and 324 tokens over two shards of 512: the ring's second step
+# attends the second shard's first two query blocks to the first shard's last two key blocks
+_PACKED = jattn.create_block_mask(jattn.masks.and_masks(
+    jattn.masks.causal_mask,
+    jattn.masks.document_mask(jnp.asarray(np.repeat(np.arange(3), [300, 400, 324])))),
+    None, None, 1024, 1024)
+
+
+@pytest.mark.parametrize("devices, strategy, block_mask", [
+    (1, "ring", None), (2, "ring", None), (2, "all_gather", None), (2, "heads", None),
+    (2, "ring", _PACKED)])
+def test_on_hopper_every_strategy_runs_the_mosaic_kernels(monkeypatch, devices, strategy,
+                                                          block_mask):
     """The pairs' lists, the device index and the per-device heads and rows vary over the mesh
     axis; the Mosaic GPU kernels take them (their bodies see them as pallas_call's do), so the
-    forward and both backward kernels are Mosaic's on one device and on several."""
+    forward and both backward kernels are Mosaic's on one device and on several, and on the
+    rows of a step that attends some of the queries."""
     if GPU_PRESENT and devices > 1:
         pytest.skip("lowers over abstract devices on the CPU only")
     pytest.importorskip("absl")
@@ -75,8 +86,9 @@ def test_on_hopper_every_strategy_runs_the_mosaic_kernels(monkeypatch, devices, 
 
     def attention(q, k, v, table):
         return jattn.ring_flex_attention(
-            q, k, v, lambda s, b, h, qi, ki: s + table[h], jattn.masks.causal_mask,
-            axis_name="x", strategy=strategy)
+            q, k, v, lambda s, b, h, qi, ki: s + table[h],
+            jattn.masks.causal_mask if block_mask is None else None, axis_name="x",
+            strategy=strategy, block_mask=block_mask)
 
     q = jnp.ones((1, 2, 512, 64), jnp.bfloat16)
     text = lower_for_cuda(_grad_of(attention), q, q, q, jnp.zeros((2,), jnp.float32),

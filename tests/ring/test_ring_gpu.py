@@ -37,14 +37,23 @@ def _alibi_and_table(table, read=None):
     return score_mod
 
 
-def _ring(mesh, layout, strategy="ring", read=None):
+# documents of 300, 700, 150, 500 and 398 tokens, causal inside: they cross the shard
+# boundaries of 2, 4 and 8 devices, inside BlockMask blocks
+_PACKED = jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(
+    jnp.asarray(np.repeat(np.arange(5), [300, 700, 150, 500, 398]), jnp.int32)))
+
+
+def _ring(mesh, layout, strategy="ring", read=None, block_mask=None):
+    """The ring under a causal mask_mod, or the whole sequence's `block_mask` (known while
+    the ring is traced: the steps and query blocks without work are left out)."""
     n = mesh.shape["seq"]
 
     def local(q, k, v, table):
-        return jattn.ring_flex_attention(q, k, v, _alibi_and_table(table, read),
-                                         jattn.masks.causal_mask, axis_name="seq",
-                                         layout=layout, enable_gqa=True, return_lse=True,
-                                         strategy=strategy)
+        return jattn.ring_flex_attention(
+            q, k, v, _alibi_and_table(table, read),
+            jattn.masks.causal_mask if block_mask is None else None, axis_name="seq",
+            layout=layout, enable_gqa=True, return_lse=True, strategy=strategy,
+            block_mask=block_mask)
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3 + (P(),),
                             out_specs=(SEQ, SEQ))
@@ -61,8 +70,8 @@ def _ring(mesh, layout, strategy="ring", read=None):
     return ring
 
 
-def _whole(q, k, v, table, read=None):
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+def _whole(q, k, v, table, read=None, mask=jattn.masks.causal_mask):
+    block_mask = jattn.create_block_mask(mask, None, None, L, L)
     return attention_reference(q, k, v, _alibi_and_table(table, read), block_mask)
 
 
@@ -74,6 +83,19 @@ def _whole(q, k, v, table, read=None):
 def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, strategy, read):
     if read is None and (strategy, layout) != ("ring", "zigzag"):
         pytest.skip("ALiBi alone (the ring's pairs on the Mosaic GPU kernels) in one layout")
+    _check_against_golden(n, layout, strategy, read)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_of_gpus_with_packed_documents(n, layout):
+    """Packed documents given as the whole sequence's BlockMask: the ring leaves out the
+    steps and query blocks without work (ALiBi: the Mosaic GPU kernels on Hopper)."""
+    _check_against_golden(n, layout, "ring", None, mask=_PACKED)
+
+
+def _check_against_golden(n, layout, strategy, read, mask=None):
     if strategy == "heads" and Hkv % n:
         pytest.skip(f"strategy='heads' splits the {Hkv} kv heads over the devices")
     mesh = Mesh(np.array(_gpus(n)), ("seq",))
@@ -82,11 +104,12 @@ def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, str
     k, v = (random(rng, (B, Hkv, L, E), jnp.bfloat16) for _ in range(2))
     table = random(rng, (Hq, L), jnp.float32) * 0.1
     cotangents = random(rng, q.shape, jnp.bfloat16), random(rng, q.shape[:3], jnp.float32)
-    ring = _ring(mesh, layout, strategy, read)
+    block_mask = None if mask is None else jattn.create_block_mask(mask, None, None, L, L)
+    ring = _ring(mesh, layout, strategy, read, block_mask)
     out, lse = jax.jit(ring)(q, k, v, table)
     grads = jax.jit(lambda *x: random_cotangent_vjp(ring, x, cotangents))(q, k, v, table)
 
-    whole = functools.partial(_whole, read=read)
+    whole = functools.partial(_whole, read=read, mask=mask or jattn.masks.causal_mask)
 
     def pulled_back(*x):
         return (*whole(*x[:4]), *random_cotangent_vjp(whole, x[:4], x[4:]))

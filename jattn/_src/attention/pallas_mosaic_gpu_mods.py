@@ -8,13 +8,18 @@ symbolic until an operation needs a tile:
 - q_idx and kv_idx, as the tile's first row or column plus an iota along it, with the bounds
   their values take over the call (`_Positions`);
 - scalars standing for arrays of one value (`_Uniform`): broadcasts of b, h and constants, and
-  elements read from captured arrays;
+  elements read from captured arrays; integer ones with the range and a divisor of their
+  values where the mod states them (`_Bounded`: `lax.clamp` with constant bounds, then sums,
+  differences and constant multiples);
 - captured arrays left in global memory (`_InMemory`).
 Two kinds of reads then stay cheap: an element picked by scalars (`slopes[h]`, `bias[b, h]`, a
 one-element array used whole) is a scalar load, and a run along the last dimension picked by
 q_idx or kv_idx (`doc_ids[q_idx]`, `doc_ids[b, kv_idx]`) is a vector load along the tile's
-queries or keys, broadcast over the tile. Any other read (`bias[q_idx - kv_idx]`, a row
-used whole) raises `Unreadable` naming it. `unreadable` evaluates the mods the same way with
+queries or keys, broadcast over the tile. q_idx and kv_idx stay positions when shifted by
+bounded scalars (`doc_ids[q_idx + offset]`, the offset one value per call or per tile) and
+when a per-tile choice picks between shifts (`jnp.where(q_idx < half, q_idx + a, q_idx + b)`
+with `half` a multiple of the tile), as a context-parallel ring's global positions are. Any
+other read (`bias[q_idx - kv_idx]`, a row used whole) raises `Unreadable` naming it. `unreadable` evaluates the mods the same way with
 loads left abstract, so that the registry sends such calls to pallas_triton with that reason.
 
 The kernel compiles with approximate math, for the softmax's exp2 (one MUFU op). A mod's exp,
@@ -149,18 +154,27 @@ class _InMemory(Deferred):
 @dataclasses.dataclass(frozen=True)
 class _Positions(Deferred):
     """q_idx (axis 0) or kv_idx (axis 1) of a tile: `start` plus the row or column. Its values
-    lie in [lo, hi) over the call; `shape` is the tile's, with ones appended where the mod made
-    it an index vector."""
+    lie in [lo, hi) over the call and every tile's `start` is a multiple of `alignment`;
+    `shape` is the tile's, with ones appended where the mod made it an index vector."""
     axis: int
     start: Any
     lo: int
     hi: int
     tile: tuple[int, int]
     shape: tuple[int, ...]
+    alignment: int
 
-    def shifted(self, by: int) -> _Positions:
-        return dataclasses.replace(self, start=self.start + by, lo=self.lo + by,
-                                   hi=self.hi + by)
+    def shifted(self, by: _Bounded) -> _Positions:
+        return dataclasses.replace(self, start=self.start + by.value, lo=self.lo + by.lo,
+                                   hi=self.hi + by.hi - 1,
+                                   alignment=math.gcd(self.alignment, by.multiple))
+
+    def tile_uniform(self, divisor: int) -> bool:
+        """Whether positions compared with, or divided by, multiples of `divisor` give one
+        value across each tile: the tiles start at multiples of their extent, which divides
+        `divisor`."""
+        extent = self.tile[self.axis]
+        return self.alignment % extent == 0 and divisor % extent == 0
 
     def with_shape(self, shape: Sequence[int]) -> _Positions | None:
         shape = tuple(shape)
@@ -170,11 +184,36 @@ class _Positions(Deferred):
         return dataclasses.replace(self, shape=shape)
 
 
+
 @dataclasses.dataclass(frozen=True)
 class _Uniform(Deferred):
     """A scalar standing for an array of `shape` holding it everywhere."""
     value: Any
     shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounded(_Uniform):
+    """An integer _Uniform whose value lies in [lo, hi) and is a multiple of `multiple`
+    (0: the value is 0)."""
+    lo: int = 0
+    hi: int = 1
+    multiple: int = 0
+
+    @classmethod
+    def of(cls, x: Any, shape: Sequence[int] = ()) -> _Bounded | None:
+        """x as a _Bounded where its bounds are known (a constant integer), else None."""
+        if isinstance(x, _Bounded):
+            return x
+        constant = _static(x)
+        if not isinstance(constant, (int, np.integer)) or isinstance(constant, bool):
+            return None
+        constant = int(constant)
+        return cls(constant, tuple(getattr(x, "shape", shape)), constant, constant + 1,
+                   abs(constant))
+
+    def negated(self) -> _Bounded:
+        return _Bounded(-self.value, self.shape, 1 - self.hi, 1 - self.lo, self.multiple)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,39 +316,107 @@ def _gather(table: _InMemory, indices: Any, params) -> Any:
     if positions.lo < 0 or positions.hi > table.shape[-1]:
         raise Unreadable(f"{how} at positions {positions.lo} to {positions.hi - 1}, beyond its "
                          f"last dimension of {table.shape[-1]}")
-    if positions.lo % _ALIGNMENT or (rank > 1 and table.shape[-1] % _ALIGNMENT):
+    if positions.alignment % _ALIGNMENT or (rank > 1 and table.shape[-1] % _ALIGNMENT):
         raise Unreadable(f"{how} at an offset or a row length that is not a multiple of "
                          f"{_ALIGNMENT}")
     return table.run([_scalar(part) for part in parts[:-1]], positions)
 
 
 def _on_positions(name: str, operands: Sequence[Any], params) -> Any:
-    """An elementwise op kept symbolic on q_idx / kv_idx: shifts by constants, comparisons
-    that their bounds decide, and selections by a decided predicate; None otherwise."""
+    """An elementwise op kept symbolic on q_idx / kv_idx: shifts by bounded scalars,
+    comparisons that their bounds or the tiles decide, divisions the tiles decide, and
+    selections by a decided or per-tile predicate; None otherwise."""
     if name == "select_n":
-        pred = _static(operands[0]) if isinstance(operands[0], _Uniform) else None
-        return None if pred is None else operands[1 + int(pred)]
+        return _selected(*operands)
     if name == "convert_element_type":
         keep = jnp.dtype(params["new_dtype"]) == jnp.int32
         return operands[0] if keep and isinstance(operands[0], _Positions) else None
     if len(operands) != 2:
         return None
     first, second = operands
-    if isinstance(first, _Positions) and isinstance(_static(second), int):
-        positions, constant, positions_first = first, _static(second), True
-    elif isinstance(second, _Positions) and isinstance(_static(first), int):
-        positions, constant, positions_first = second, _static(first), False
+    if isinstance(first, _Positions):
+        positions, other, positions_first = first, second, True
+    elif isinstance(second, _Positions):
+        positions, other, positions_first = second, first, False
     else:
         return None
+    shift = _Bounded.of(other)
+    if shift is None:
+        return None
     if name == "add" or (name == "sub" and positions_first):
-        return positions.shifted(constant if name == "add" else -constant)
+        return positions.shifted(shift if name == "add" else shift.negated())
+    constant = _static(other)
+    if not isinstance(constant, int):
+        return None
     if name in _COMPARISONS:
         compare = _COMPARISONS[name]
-        ends = [compare(x, constant) if positions_first else compare(constant, x)
-                for x in (positions.lo, positions.hi - 1)]
+
+        def compared(x):
+            return compare(x, constant) if positions_first else compare(constant, x)
+
+        ends = [compared(x) for x in (positions.lo, positions.hi - 1)]
         # A comparison with a constant is monotonic in the position: equal ends decide it.
-        return _Uniform(np.bool_(ends[0]), positions.shape) if ends[0] == ends[1] else None
+        if ends[0] == ends[1]:
+            return _Uniform(np.bool_(ends[0]), positions.shape)
+        # `position < t` (or its negation) is one value across a tile when t is a multiple
+        # of the tile's extent: then the tile's first position decides it.
+        strict = (name in ("lt", "ge")) == positions_first
+        if positions.tile_uniform(constant if strict else constant + 1):
+            return _Uniform(compared(positions.start), positions.shape)
+        return None
+    if (name == "div" and positions_first and constant > 0 and positions.lo >= 0
+            and positions.tile_uniform(constant)):
+        return _Bounded(lax.div(positions.start, jnp.int32(constant)), positions.shape,
+                        positions.lo // constant, (positions.hi - 1) // constant + 1, 1)
     return None
+
+
+def _selected(predicate: Any, *cases: Any) -> Any:
+    """select_n on q_idx / kv_idx: the case a decided predicate picks, or positions whose
+    start a per-tile predicate picks among the cases' starts; None otherwise."""
+    decided = _static(predicate) if isinstance(predicate, _Uniform) else None
+    if decided is not None:
+        return cases[int(decided)]
+    if not isinstance(predicate, _Uniform) or not all(isinstance(c, _Positions) for c in cases):
+        return None
+    first = cases[0]
+    if any((c.axis, c.tile, c.shape) != (first.axis, first.tile, first.shape) for c in cases):
+        return None
+    return dataclasses.replace(
+        first, start=lax.select_n(predicate.value, *(c.start for c in cases)),
+        lo=min(c.lo for c in cases), hi=max(c.hi for c in cases),
+        alignment=functools.reduce(math.gcd, (c.alignment for c in cases)))
+
+
+def _bounded(name: str, operands: Sequence[Any], params, shape) -> _Bounded | None:
+    """An integer op on scalars whose result's bounds follow from its operands': a clamp
+    between constants, sums and differences of bounded scalars, constant multiples."""
+    if name == "clamp":
+        low, high = (_static(x) for x in (operands[0], operands[2]))
+        if not all(isinstance(x, int) for x in (low, high)):
+            return None
+        return _Bounded(_bind(lax.clamp_p, [_scalar(x) for x in operands], params), shape,
+                        low, high + 1, 1)
+    if name == "convert_element_type":
+        kept = jnp.dtype(params["new_dtype"]) == jnp.int32
+        return operands[0] if kept and isinstance(operands[0], _Bounded) else None
+    if name not in ("add", "sub", "mul") or not any(isinstance(x, _Bounded) for x in operands):
+        return None
+    a, b = (_Bounded.of(x) for x in operands)
+    if a is None or b is None:
+        return None
+    value = {"add": operator.add, "sub": operator.sub, "mul": operator.mul}[name](
+        *aligned(a.value, b.value))
+    if name == "sub":
+        b = b.negated()
+    if name in ("add", "sub"):
+        return _Bounded(value, shape, a.lo + b.lo, a.hi + b.hi - 1,
+                        math.gcd(a.multiple, b.multiple))
+    constant, other = (a, b) if a.hi - a.lo == 1 else (b, a)
+    if constant.hi - constant.lo != 1:
+        return None  # (a product of two ranges: bounds not tracked)
+    ends = sorted(constant.lo * x for x in (other.lo, other.hi - 1))
+    return _Bounded(value, shape, ends[0], ends[1] + 1, other.multiple * abs(constant.lo))
 
 
 def _elementwise(primitive, operands, params) -> Any:
@@ -322,6 +429,9 @@ def _elementwise(primitive, operands, params) -> Any:
     if not all(_is_scalar(x) for x in operands):
         return None
     shape = max((x.shape for x in operands if isinstance(x, Deferred)), key=len)
+    bounded = _bounded(primitive.name, operands, params, shape)
+    if bounded is not None:
+        return bounded
     try:
         out = _bind(primitive, [_scalar(x) for x in operands], params)
     except (TypeError, ValueError):
@@ -330,6 +440,8 @@ def _elementwise(primitive, operands, params) -> Any:
 
 
 def _reshaped(x: Any, shape: Sequence[int]) -> Any:
+    if isinstance(x, _Bounded):
+        return dataclasses.replace(x, shape=tuple(shape))
     if isinstance(x, _Uniform):
         return _uniform(x.value, shape)
     if isinstance(x, _InMemory) and math.prod(x.shape) == 1:
@@ -399,7 +511,7 @@ def _evaluate(fn: TracedFunction, env: _Kernel, refs: Sequence[Any], avals: Sequ
                 _InMemory(ref, tuple(aval.shape), aval.dtype, env)
                 for ref, aval in zip(refs, avals)]
     axes = (1, 0) if transposed else (0, 1)
-    positions = [_Positions(axis, start, 0, length, tile, tile)
+    positions = [_Positions(axis, start, 0, length, tile, tile, tile[axis])
                  for axis, start, length in zip(axes, starts, seq_lengths)]
     outputs = fn(captures, *leading, *positions, *trailing,
                  rewrite=functools.partial(_rewrite, env))

@@ -13,7 +13,8 @@ slice of the keys) and sending the dK/dV part straight back to the shard's devic
 device's shards and the pairs' block lists are kept for it.
 
 Steps whose pairs are empty on every device (`schedule`) are left out, forward and backward,
-and of a step that runs only the key blocks its pairs visit are sent.
+and of a step that runs only the key blocks its pairs visit are sent and only the query blocks
+its pairs visit are attended.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class _Ring:
         return Pair.make(self.mods, **self._devices(self.schedule.steps[i]), shard=shard,
                          layout=self.layout, score_caps=score_caps, mask_caps=mask_caps,
                          tokens=tokens, tokens_in_hand=tokens_in_hand,
-                         kv_local=self.schedule.kept_positions(i))
+                         kv_local=self.schedule.kept_positions(i),
+                         q_local=self.schedule.row_positions(i))
 
     def _devices(self, step: int) -> dict:
         n = lax.axis_size(self.axis_name)
@@ -80,7 +82,8 @@ class _Ring:
             return dataclasses.replace(whole_mask, mask_mod=pair.mask)
         return pair.cut_block_mask(tables, **self._devices(self.schedule.steps[i]),
                                    shard=shard, layout=self.layout, block_size=self.cut_block,
-                                   kv_local=self.schedule.kept_positions(i))
+                                   kv_local=self.schedule.kept_positions(i),
+                                   q_local=self.schedule.row_positions(i))
 
     def fetch(self, i: int, k, v, tokens) -> list:
         """[k, v, *tokens] of the i-th scheduled step: of the shard `step` devices before, the
@@ -90,6 +93,19 @@ class _Ring:
             k, v = (_taken(x, positions, 2) for x in (k, v))
             tokens = [_taken(t, positions, t.ndim - 1) for t in tokens]
         return self.pass_on(self.schedule.steps[i], k, v, *tokens)
+
+    def rows(self, i: int, *xs) -> list:
+        """xs (sequence on axis 2) at the query positions the i-th step attends."""
+        positions = self.schedule.row_positions(i)
+        return list(xs) if positions is None else [_taken(x, positions, 2) for x in xs]
+
+    def rows_updated(self, i: int, totals, parts, combine: Callable) -> list:
+        """totals with combine(total rows, part) at the query positions the i-th step
+        attends (sequence on axis 2)."""
+        positions = self.schedule.row_positions(i)
+        combined = combine(self.rows(i, *totals), parts)
+        return list(combined) if positions is None else [
+            _put(total, x, positions, 2) for total, x in zip(totals, combined)]
 
     def returned(self, i: int, parts, shard: int) -> list:
         """The i-th step's dK/dV parts sent back to the device of their shard, placed at
@@ -134,16 +150,22 @@ def _taken(x, positions: np.ndarray, axis: int):
                             for run in _runs(positions)], axis=axis)
 
 
-def _placed(x, positions: np.ndarray, length: int, axis: int):
-    """Zeros of `length` along `axis` holding x at the sorted static `positions`."""
-    shape = list(x.shape)
-    shape[axis] = length
-    out, start = aligned(jnp.zeros(shape, x.dtype), x)[0], 0
+def _put(into, x, positions: np.ndarray, axis: int):
+    """`into` holding x at the sorted static `positions` along `axis`."""
+    out, x = aligned(into, x)
+    start = 0
     for run in _runs(positions):
         piece = lax.slice_in_dim(x, start, start + run.size, axis=axis)
         out = lax.dynamic_update_slice_in_dim(out, piece, int(run[0]), axis=axis)
         start += run.size
     return out
+
+
+def _placed(x, positions: np.ndarray, length: int, axis: int):
+    """Zeros of `length` along `axis` holding x at the sorted static `positions`."""
+    shape = list(x.shape)
+    shape[axis] = length
+    return _put(jnp.zeros(shape, x.dtype), x, positions, axis)
 
 
 def _merge(out, lse, step_out, step_lse):
@@ -170,8 +192,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
     device: int32, each scheduled step's BlockMask without its mask_mod, or None)."""
     n = lax.axis_size(ring.axis_name)
     (B, Hq, Lc, _), Ev = q.shape, v.shape[-1]
-    out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
-    lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
+    out = lse = None  # (the first step's whole-shard result, where it is one)
     launched, block_masks = jnp.int32(0), []
     tables = _dense_tables(whole_mask, n)
     steps = ring.schedule.steps
@@ -181,26 +202,36 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         pair = ring.pair(i, score_caps, mask_caps, tokens, tokens_in, Lc)
         block_mask = ring.pair_block_mask(i, pair, whole_mask, tables, B, Hq, Lc)
         blocks = visited_blocks(block_mask)
+        q_rows, = ring.rows(i, q)
 
-        def attend(k, v, pair=pair, block_mask=block_mask):
+        def attend(k, v, q=q_rows, pair=pair, block_mask=block_mask):
             step_out, step_lse = flex_attention(q, k, v, pair.score, block_mask,
                                                 scale=ring.scale, enable_gqa=ring.enable_gqa,
                                                 return_lse=True,
                                                 implementation=ring.implementation)
             return tuple(ring.pair_typed([step_out.astype(jnp.float32), step_lse], q, k, v))
 
-        def skip(k, v):  # what attend gives for no keys
-            zero = ring.pair_typed([jnp.zeros(out.shape, jnp.float32)], q, k, v)[0]
+        def skip(k, v, q=q_rows):  # what attend gives for no keys
+            zero = ring.pair_typed([jnp.zeros(q.shape[:3] + (Ev,), jnp.float32)], q, k, v)[0]
             return zero, zero[..., 0] - jnp.inf
 
         # The next step's keys are sent while this one's are attended to.
         if i + 1 < len(steps):
             in_hand = ring.fetch(i + 1, k, v, tokens)
-        step_out, step_lse = ring.attended(i, blocks > 0, attend, skip, k_in, v_in)
-        out, lse = _merge(out, lse, step_out, step_lse)
+        step = ring.attended(i, blocks > 0, attend, skip, k_in, v_in)
+        if out is None and ring.schedule.row_positions(i) is None:
+            out, lse = step
+        else:
+            if out is None:
+                out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
+                lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
+            out, lse = ring.rows_updated(i, (out, lse), step, lambda old, new: _merge(*old, *new))
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
+    if out is None:  # no step has work anywhere
+        out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
+        lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
     return out.astype(q.dtype), lse, launched, block_masks
 
 
@@ -226,7 +257,10 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
         if i + 1 < len(steps):
             in_hand = ring.fetch(i + 1, k, v, tokens)
 
-        def attend(k, v, pair=pair, block_mask=block_mask):
+        rows = ring.rows(i, q, out, lse, d_out, d_lse)
+
+        def attend(k, v, pair=pair, block_mask=block_mask, rows=rows):
+            q, out, lse, d_out, d_lse = rows
             dq_p, dk_p, dv_p, d_caps_p = flex_attention_backward(
                 q, k, v, out, lse, d_out, d_lse, pair.score, block_mask,
                 score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
@@ -237,7 +271,7 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                      *(d.astype(jnp.float32) for d, f in zip(d_caps_p, floats) if f)]
             return ring.pair_typed(parts, q, k, v)
 
-        def skip(k, v):
+        def skip(k, v, q=rows[0]):
             return ring.pair_typed([jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k),
                                     jnp.zeros_like(v),
                                     *(jnp.zeros(x.shape, jnp.float32) for x in d_caps)],
@@ -247,8 +281,8 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
         # the dK/dV part goes straight back to the keys' device (sent while the next step
         # computes)
         dk_part, dv_part = ring.returned(i, parts[1:3], Lc)
-        dq, dk, dv = dq + parts[0], dk + dk_part.astype(jnp.float32), dv + dv_part.astype(
-            jnp.float32)
+        dq, = ring.rows_updated(i, (dq,), parts[:1], lambda old, new: [old[0] + new[0]])
+        dk, dv = dk + dk_part.astype(jnp.float32), dv + dv_part.astype(jnp.float32)
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
@@ -112,6 +113,29 @@ def token_view(local: jax.Array, in_hand: jax.Array, q_positions: jax.Array,
     return view.at[..., kv_positions].set(in_hand).at[..., q_positions].set(local)
 
 
+# The pairs' mods state the ranges of their device indices and per-block shifts with
+# `lax.clamp`, so that the Mosaic GPU kernels see the global positions as shifted q_idx /
+# kv_idx and read captured arrays along them (document ids) with vector loads.
+
+
+def _bounded(device, num_devices: int):
+    """A device index (traced, or a constant) with its range stated."""
+    return device if isinstance(device, int) else lax.clamp(0, device, num_devices - 1)
+
+
+def _in_shard(index, local: np.ndarray | None):
+    """The shard positions of indices into the `local` positions of a shard (sorted, whole
+    blocks; None: the whole shard, in order): the index shifted by its block's offset."""
+    if local is None:
+        return index
+    runs = np.split(local, np.flatnonzero(np.diff(local) != 1) + 1)
+    block = int(np.gcd.reduce([int(x) for run in runs for x in (run[0], run.size)]))
+    shifts = (local[::block] - np.arange(0, local.size, block)) // block
+    shift = lax.clamp(int(shifts.min()), jnp.asarray(shifts, jnp.int32)[
+        lax.div(index, np.int32(block))], int(shifts.max()))
+    return index + shift * block
+
+
 @dataclasses.dataclass(frozen=True)
 class Pair:
     """The mods of attending this device's queries to the key shard of device `origin`."""
@@ -122,9 +146,11 @@ class Pair:
     @classmethod
     def make(cls, mods: RingMods, *, me, origin, num_devices: int, shard: int, layout: str,
              score_caps, mask_caps, tokens: Sequence[jax.Array],
-             tokens_in_hand: Sequence[jax.Array], kv_local: np.ndarray | None = None) -> Pair:
+             tokens_in_hand: Sequence[jax.Array], kv_local: np.ndarray | None = None,
+             q_local: np.ndarray | None = None) -> Pair:
         """kv_local: the positions in origin's shard of the keys in hand, where they are
-        some of its blocks (None: all of it, in order)."""
+        some of its blocks (None: all of it, in order); q_local: likewise the positions in
+        this device's shard of the queries attended."""
         local = jnp.arange(shard, dtype=jnp.int32)
         q_at = global_positions(local, me, num_devices, shard, layout)
         kv_at = global_positions(local if kv_local is None else jnp.asarray(kv_local), origin,
@@ -133,12 +159,12 @@ class Pair:
                  for mine, theirs in zip(tokens, tokens_in_hand)]
 
         def q_pos(q_idx):
-            return global_positions(q_idx, me, num_devices, shard, layout)
+            return global_positions(_in_shard(q_idx, q_local), _bounded(me, num_devices),
+                                    num_devices, shard, layout)
 
         def kv_pos(kv_idx):
-            if kv_local is not None:
-                kv_idx = jnp.asarray(kv_local)[kv_idx]
-            return global_positions(kv_idx, origin, num_devices, shard, layout)
+            return global_positions(_in_shard(kv_idx, kv_local), _bounded(origin, num_devices),
+                                    num_devices, shard, layout)
 
         score = mask = None
         if mods.score_mod is not None:
@@ -162,23 +188,24 @@ class Pair:
 
     def cut_block_mask(self, tables: tuple[jax.Array, jax.Array | None], *, me, origin,
                        num_devices: int, shard: int, layout: str, block_size: tuple[int, int],
-                       kv_local: np.ndarray | None = None) -> BlockMask:
+                       kv_local: np.ndarray | None = None,
+                       q_local: np.ndarray | None = None) -> BlockMask:
         """The pair's BlockMask cut from the whole sequence's dense block tables (partial,
         full): the rows of this device's query blocks and the columns of the key blocks in
-        hand (kv_local: their positions in origin's shard, whole blocks; None: all of it). No
-        mask is evaluated."""
-        def starts(device, block, positions):
-            return global_positions(positions, device, num_devices, shard, layout) // block
+        hand (kv_local, q_local: their positions in the shards, whole blocks; None: all of
+        the shard). No mask is evaluated."""
+        def block_starts(device, block, local):
+            starts = (jnp.arange(0, shard, block, dtype=jnp.int32) if local is None
+                      else jnp.asarray(local[::block]))
+            return global_positions(starts, device, num_devices, shard, layout) // block
 
-        rows = starts(me, block_size[0], jnp.arange(0, shard, block_size[0], dtype=jnp.int32))
-        kv_starts = (jnp.arange(0, shard, block_size[1], dtype=jnp.int32) if kv_local is None
-                     else jnp.asarray(kv_local[::block_size[1]]))
-        columns = starts(origin, block_size[1], kv_starts)
+        rows = block_starts(me, block_size[0], q_local)
+        columns = block_starts(origin, block_size[1], kv_local)
         partial, full = (None if t is None else t[..., rows[:, None], columns[None, :]]
                          for t in tables)
-        kv_length = shard if kv_local is None else len(kv_local)
+        lengths = tuple(shard if local is None else len(local) for local in (q_local, kv_local))
         return BlockMask.from_dense_blocks(partial, full, block_size=block_size,
-                                           seq_lengths=(shard, kv_length), mask_mod=self.mask)
+                                           seq_lengths=lengths, mask_mod=self.mask)
 
 
 def visited_blocks(block_mask: BlockMask | None) -> jax.Array:

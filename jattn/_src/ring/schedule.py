@@ -12,7 +12,10 @@ kernel.
 Of a step that runs, only the key blocks some device's pair visits travel (a document that
 crosses a shard boundary needs its own blocks of the neighbour's shard, not the whole shard),
 each step's keys sent straight from the device that holds them; each device's part of their
-dK/dV goes straight back to it, its own shard's part staying home.
+dK/dV goes straight back to it, its own shard's part staying home. Likewise only the query
+blocks some device's pair visits are attended at that step: their rows of q, the output and
+the gradients are sliced out and merged back, so the step's kernels and merges cost what its
+few blocks do rather than a pass over the whole shard.
 """
 
 from __future__ import annotations
@@ -32,19 +35,32 @@ class RingSchedule:
     those whose pair visits a block on every device, which need no test of emptiness (on a
     GPU such a test is a conditional whose predicate the host reads). kept: for each step,
     the key blocks of a shard (local block indices, of `block` positions each) that some
-    device's pair visits, where that is fewer than all: only those are sent."""
+    device's pair visits, where that is fewer than all: only those are sent. rows: for each
+    step, the query blocks of a shard (of `row_block` positions each) that some device's
+    pair visits, where that is fewer than all: only those are attended."""
 
     steps: tuple[int, ...]
     everywhere: frozenset[int] = frozenset()
     kept: tuple[tuple[int, ...] | None, ...] | None = None
     block: int = 0
+    rows: tuple[tuple[int, ...] | None, ...] | None = None
+    row_block: int = 0
 
     def kept_positions(self, i: int) -> np.ndarray | None:
         """The local key positions the i-th step sends (in order), or None: the whole shard."""
-        if self.kept is None or self.kept[i] is None:
-            return None
-        blocks = np.asarray(self.kept[i], np.int32)
-        return (blocks[:, None] * self.block + np.arange(self.block, dtype=np.int32)).ravel()
+        return _positions(None if self.kept is None else self.kept[i], self.block)
+
+    def row_positions(self, i: int) -> np.ndarray | None:
+        """The local query positions the i-th step attends (in order), or None: the whole
+        shard."""
+        return _positions(None if self.rows is None else self.rows[i], self.row_block)
+
+
+def _positions(blocks: tuple[int, ...] | None, size: int) -> np.ndarray | None:
+    if blocks is None:
+        return None
+    blocks = np.asarray(blocks, np.int32)
+    return (blocks[:, None] * size + np.arange(size, dtype=np.int32)).ravel()
 
 
 def every_step(num_devices: int) -> RingSchedule:
@@ -88,20 +104,26 @@ def work_balance(block_mask: BlockMask | None, num_devices: int, layout: str) ->
 
 def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -> RingSchedule:
     """Where some device's pair visits a block of `block_mask` (the whole sequence's, [Bm, Hm,
-    L, L]): the steps, those where every device's does, and which key blocks; every step,
-    whole shards, where there is no BlockMask or its values are traced."""
+    L, L]): the steps, those where every device's does, and which key and query blocks;
+    every step, whole shards, where there is no BlockMask or its values are traced."""
     if num_devices == 1 or not _values_known(block_mask):
         return every_step(num_devices)
     visited, rows, columns = _visited_blocks(block_mask, num_devices, layout)
-    # [step, device, key block of the shard in hand]: visited by the device's queries
-    used = np.array([[visited[np.ix_(rows[d], columns[(d - step) % num_devices])].any(axis=0)
-                      for d in range(num_devices)] for step in range(num_devices)])
-    work = used.any(axis=2)
+    # [step, device, query block of the device's shard, key block of the shard in hand]
+    pairs = np.array([[visited[np.ix_(rows[d], columns[(d - step) % num_devices])]
+                       for d in range(num_devices)] for step in range(num_devices)])
+    work = pairs.any(axis=(2, 3))
     steps = tuple(np.flatnonzero(work.any(axis=1)).tolist())
-    kept = []
-    for step in steps:
-        needed = np.flatnonzero(used[step].any(axis=0))
-        kept.append(None if step == 0 or needed.size == used.shape[2] else
-                    tuple(needed.tolist()))
+
+    def some(step: int, visited_along) -> tuple[int, ...] | None:
+        """The blocks that some device's pair visits at `step` (None: all, or the own
+        shard's step, which every device has in hand and attends whole)."""
+        needed = np.flatnonzero(visited_along)
+        return None if step == 0 or needed.size == visited_along.size else tuple(
+            needed.tolist())
+
     return RingSchedule(steps, frozenset(np.flatnonzero(work.all(axis=1)).tolist()),
-                        tuple(kept), block_mask.block_size[1])
+                        tuple(some(step, pairs[step].any(axis=(0, 1))) for step in steps),
+                        block_mask.block_size[1],
+                        tuple(some(step, pairs[step].any(axis=(0, 2))) for step in steps),
+                        block_mask.block_size[0])
