@@ -19,8 +19,9 @@ queries or keys, broadcast over the tile. q_idx and kv_idx stay positions when s
 bounded scalars (`doc_ids[q_idx + offset]`, the offset one value per call or per tile) and
 when a per-tile choice picks between shifts (`jnp.where(q_idx < half, q_idx + a, q_idx + b)`
 with `half` a multiple of the tile), as a context-parallel ring's global positions are. Any
-other read (`bias[q_idx - kv_idx]`, a row used whole) raises `Unreadable` naming it. `unreadable` evaluates the mods the same way with
-loads left abstract, so that the registry sends such calls to pallas_triton with that reason.
+other read (`bias[q_idx - kv_idx]`, a row used whole) raises `Unreadable` naming it.
+`unreadable` evaluates the mods the same way with loads left abstract, so that the registry
+sends such calls to pallas_triton with that reason.
 
 The kernel compiles with approximate math, for the softmax's exp2 (one MUFU op). A mod's exp,
 exp2 and log stay within a few float32 ulps that way, but tanh.approx is off by up to 2**-11
