@@ -424,6 +424,8 @@ CASES = {
                                          _ragged_documents),
     "shifted reads, decided comparisons": (2, 4, 4, 512, 128, jnp.float16,
                                            *_TRICKY["shifted and compared"]),
+    "a ring's global positions": (1, 2, 2, 4096, 64, jnp.bfloat16,
+                                  *_TRICKY["a ring's global positions"]),
 }
 
 
