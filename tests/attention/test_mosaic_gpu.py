@@ -137,12 +137,13 @@ _LONG_BIAS = jnp.linspace(-1.0, 1.0, 16384, dtype=jnp.float32)
 
 
 def _zigzag_position(local):
-    device = jax.lax.clamp(0, _DEVICE, 3)
+    device = jax.lax.clamp(np.int32(0), _DEVICE, np.int32(3))
     return jnp.where(local < 2048, local + device * 2048, local - 2048 + (7 - device) * 2048)
 
 
 def _taken_key_position(kv_idx):
-    shift = jax.lax.clamp(0, _BLOCK_SHIFTS[jax.lax.div(kv_idx, np.int32(128))], 4)
+    block = np.dtype(kv_idx.dtype).type(128)  # (int64 in the float64 golden)
+    shift = jax.lax.clamp(np.int32(0), _BLOCK_SHIFTS[jax.lax.div(kv_idx, block)], np.int32(4))
     return kv_idx + shift * 128
 
 
@@ -157,7 +158,7 @@ _TRICKY = {  # reads and index arithmetic the kernel's evaluation keeps symbolic
         lambda b, h, q_idx, kv_idx: _DOC_IDS[q_idx - 4096] != _DOC_IDS[-4096 + kv_idx]),
     "a ring's global positions": (
         lambda s, b, h, q_idx, kv_idx: s + _LONG_BIAS[_zigzag_position(kv_idx)]
-        - _LONG_BIAS[q_idx + jax.lax.clamp(0, _DEVICE, 3) * 4096],
+        - _LONG_BIAS[q_idx + jax.lax.clamp(np.int32(0), _DEVICE, np.int32(3)) * 4096],
         lambda b, h, q_idx, kv_idx: (
             _LONG_IDS[_zigzag_position(q_idx)] == _LONG_IDS[_taken_key_position(kv_idx)])
         & (_zigzag_position(q_idx) >= _taken_key_position(kv_idx))),

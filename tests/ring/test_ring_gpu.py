@@ -29,8 +29,8 @@ def _gpus(n):
 
 def _alibi_and_table(table, read=None):
     """ALiBi, plus a learnable table [Hq, L] read by head and key position where `read` is
-    "by_position" (on a Hopper GPU, the Mosaic GPU kernels read it under the all_gather and
-    heads strategies; the ring's pairs map key positions, so pallas_triton runs them)."""
+    "by_position" (on a Hopper GPU, the Mosaic GPU kernels read it with vector loads, at the
+    ring's pairs' global positions too)."""
     def score_mod(score, b, h, q_idx, kv_idx):
         alibi = score - jnp.exp2(-(h + 1.0) / 2) * jnp.abs(q_idx - kv_idx)
         return alibi if read is None else alibi + table[h, kv_idx]
@@ -82,7 +82,7 @@ def _whole(q, k, v, table, read=None, mask=jattn.masks.causal_mask):
 @pytest.mark.parametrize("read", ["by_position", None])
 def test_ring_of_gpus_equals_flex_attention_on_the_whole_sequence(n, layout, strategy, read):
     if read is None and (strategy, layout) != ("ring", "zigzag"):
-        pytest.skip("ALiBi alone (the ring's pairs on the Mosaic GPU kernels) in one layout")
+        pytest.skip("ALiBi alone (no captured table) in one layout")
     _check_against_golden(n, layout, strategy, read)
 
 

@@ -5,7 +5,9 @@ its queries to the K/V of the device s places before it, sent from there (`lax.p
 while the previous step computes; the partial results merge through their log-sum-exps. The
 mods see global positions.
 A (query shard, key shard) pair whose BlockMask is empty launches no kernel: under a causal
-mask with the contiguous layout that is almost half of them.
+mask with the contiguous layout that is almost half of them. (Of a step that attends a few
+query blocks, an empty pair runs its small kernels instead: skipping them costs a host
+round trip.)
 
 The backward is a ring too (a custom_vjp): K/V go round again, each device computing its
 pair's part (flex_attention's backward from the merged output and LSE, which is exact for a
@@ -118,9 +120,12 @@ class _Ring:
 
     def attended(self, i: int, has_blocks, attend: Callable, skip: Callable, *args):
         """attend(*args) for the i-th scheduled step, or skip(*args) on a device whose pair
-        visits no block (`has_blocks`, traced): tested only at steps where some device's
-        pair may be empty (a conditional, whose predicate a GPU's host reads)."""
-        if self.schedule.steps[i] in self.schedule.everywhere:
+        visits no block (`has_blocks`, traced): tested only at steps that attend whole
+        shards where some device's pair may be empty. The test is a conditional whose
+        predicate a GPU's host reads, stalling the launches behind it: it pays where it
+        spares kernels writing whole shards of zeros, not a few query blocks'."""
+        if (self.schedule.steps[i] in self.schedule.everywhere
+                or self.schedule.row_positions(i) is not None):
             return attend(*args)
         return lax.cond(has_blocks, attend, skip, *args)
 

@@ -120,7 +120,10 @@ def token_view(local: jax.Array, in_hand: jax.Array, q_positions: jax.Array,
 
 def _bounded(device, num_devices: int):
     """A device index (traced, or a constant) with its range stated."""
-    return device if isinstance(device, int) else lax.clamp(0, device, num_devices - 1)
+    if isinstance(device, int):
+        return device
+    typed = np.dtype(device.dtype).type  # (int64 constants where x64 is enabled)
+    return lax.clamp(typed(0), device, typed(num_devices - 1))
 
 
 def _in_shard(index, local: np.ndarray | None):
@@ -131,9 +134,10 @@ def _in_shard(index, local: np.ndarray | None):
     runs = np.split(local, np.flatnonzero(np.diff(local) != 1) + 1)
     block = int(np.gcd.reduce([int(x) for run in runs for x in (run[0], run.size)]))
     shifts = (local[::block] - np.arange(0, local.size, block)) // block
-    shift = lax.clamp(int(shifts.min()), jnp.asarray(shifts, jnp.int32)[
-        lax.div(index, np.int32(block))], int(shifts.max()))
-    return index + shift * block
+    typed = np.dtype(index.dtype).type
+    shift = lax.clamp(typed(shifts.min()), jnp.asarray(shifts, index.dtype)[
+        lax.div(index, typed(block))], typed(shifts.max()))
+    return index + shift * typed(block)
 
 
 @dataclasses.dataclass(frozen=True)
