@@ -242,6 +242,18 @@ def test_bfloat16_dk_dv_parts_travel_in_bfloat16():
     assert sent == ["bf16"] * 6
 
 
+def test_packed_documents_under_x64():
+    """With 64-bit types enabled (Python ints int64), the ring's device arithmetic and the
+    pairs' stated ranges keep to the device index's int32."""
+    with jax.enable_x64(True):
+        whole_mask = _block_mask(_PACKED)
+        q = random(np.random.default_rng(3), (1, 2, L, E), jnp.float32)
+        out, _ = jax.jit(_differentiable_ring(4, None, None, "zigzag",
+                                              block_mask=whole_mask))(q, q, q)
+        expected = jattn.flex_attention(q, q, q, block_mask=whole_mask, implementation="xla")
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_document_ids_sharded_with_q_and_travelling_with_k():
     """A per-token array (document ids, as token_arrays) read by both mods: out, LSE and
     gradients equal flex_attention reading the whole array (two devices: each holds two

@@ -71,7 +71,7 @@ class _Ring:
         if n == 1:  # a constant index: the pair's mods then read no device index, so the
             return dict(me=0, origin=0, num_devices=1)  # call runs where flex_attention's does
         me = lax.axis_index(self.axis_name)
-        return dict(me=me, origin=lax.rem(me - step + n, n), num_devices=n)
+        return dict(me=me, origin=lax.rem(me - step + n, np.int32(n)), num_devices=n)
 
     def pair_block_mask(self, i: int, pair: Pair, whole_mask, tables, B: int, Hq: int,
                         shard: int):
