@@ -313,6 +313,35 @@ def test_runs_by_position_lower_for_cuda(as_if_on_hopper, mods):
                                           _spec(B, Hq, L, E))
 
 
+def _packed_documents(length, seed=0):
+    sizes = np.random.default_rng(seed).integers(1024, 7169, length // 1024)
+    ids = jnp.asarray(np.repeat(np.arange(sizes.size), sizes)[:length], jnp.int32)
+    return jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(ids))
+
+
+@pytest.mark.parametrize("B, H, L, mask, dealt", [
+    (1, 16, 16384, jattn.masks.causal_mask, False),  # H200: 570 TFLOP/s consecutive, 534 dealt
+    (1, 16, 16384, lambda b, h, q_idx, kv_idx: (q_idx // 4096 == kv_idx // 4096)
+     & (q_idx >= kv_idx), False),  # documents of 4k: 524 against 484
+    (1, 16, 16384, _packed_documents(16384), True),  # 1k-7k tokens: 466 dealt against 384
+    (4, 16, 2048, jattn.masks.causal_mask, True),  # one wave, H100: 467 dealt against 300
+    (1, 16, 4096, lambda b, h, q_idx, kv_idx: q_idx >= 0, False),  # full: L2 reuse wins
+])
+def test_the_forward_deals_tiles_where_a_few_rows_hold_the_work(B, H, L, mask, dealt):
+    """The Mosaic forward's choice, per call from the BlockMask's counts, between programs of
+    consecutive tiles (heaviest rows first) and tiles dealt round the programs, on 132 SMs."""
+    from jattn._src.attention import pallas_mosaic_gpu_fwd as fwd
+    from jattn._src.attention.pallas_mosaic_gpu_tiles import deals, heaviest_first
+    lists = jattn.create_block_mask(mask, None, None, L, L).lists()
+    arrays = (lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
+              lists.full_kv_indices)
+    tiles = B * H * L // 128
+    group = fwd._tiles_per_program(tiles, fwd.MAX_TILES_PER_PROGRAM)
+    chosen = deals(arrays, True, heaviest_first(arrays, True), tiles=tiles, group=group,
+                   sms=132)
+    assert bool(chosen[0]) == dealt
+
+
 @pytest.mark.parametrize("transposed", [False, True])  # the dK/dV kernel's [keys, queries]
 @pytest.mark.parametrize("name", [*READABLE, *_TRICKY])
 def test_mods_evaluated_as_in_the_kernel_equal_them_evaluated_plainly(name, transposed):
@@ -461,7 +490,8 @@ def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv
     """With few SMs for the tiles (3 here, 20-80 tiles of 640 queries), each program walks up
     to seven or nine tiles, the BlockMask rows with the most blocks first, the last program
     fewer: its K/V ring and query buffers run on from one tile into the next. With 7 or 10 SMs
-    the programs fit in one wave and the tiles are dealt round them."""
+    (and with 3 for the empty first row) the programs' tiles are dealt round them (`deals`
+    decides per call; the causal and window masks on 3 SMs keep consecutive tiles)."""
     monkeypatch.setattr(hardware, "num_sms", lambda: sms)
     q, k, v = _inputs(B, Hq, Hkv, 640, E, dtype, seed=7)
     block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, heads, 640,

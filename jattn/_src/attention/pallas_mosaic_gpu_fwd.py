@@ -1,8 +1,8 @@
 """Flex attention forward kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
 
 Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn, the rows
-with the most blocks first (consecutive tiles, or dealt round the programs where they all fit
-in one wave over the SMs), with three warpgroups. The producer walks each tile's BlockMask
+with the most blocks first (consecutive tiles, or dealt round the programs where a few rows
+hold most of the work: decided per call from the BlockMask's counts), with three warpgroups. The producer walks each tile's BlockMask
 lists (partial blocks, then full ones) and streams each listed K/V block into a ring of
 shared-memory slots with TMA, running on into the next tile while the consumers finish this
 one. The two consumers each own 64 query rows of the tile; they compute S = Q·Kᵀ with wgmma,
@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import hardware
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, heaviest_first,
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, deals, heaviest_first,
                                                            key_blocks, operand_transforms,
                                                            stream, tile_of)
 from jattn._src.constants import LOG2_E, MASK_VALUE
@@ -42,33 +42,33 @@ MAX_TILES_PER_PROGRAM_DENSE = 16
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, score_fn,
-            mask_fn, dtype, group: int, dealt: bool):
+            mask_fn, dtype, group: int):
     n_lists = 4 if has_full else 2
     # Without a score_mod a positive scale folds into the exponent's factor: one multiply
     # per score fewer.
     fold_scale = score_fn is None and p.scale > 0
     factor = p.scale * LOG2_E if fold_scale else LOG2_E
-    list_refs, order_ref, (out_ref, lse_ref) = refs[:n_lists], refs[n_lists], refs[-2:]
+    list_refs, (order_ref, dealt_ref), (out_ref, lse_ref) = (
+        refs[:n_lists], refs[n_lists:n_lists + 2], refs[-2:])
     n_score = n_captures[0]
-    score_refs = refs[n_lists + 1:n_lists + 1 + n_score]
-    mask_refs = refs[n_lists + 1 + n_score:-2]
+    score_refs = refs[n_lists + 2:n_lists + 2 + n_score]
+    mask_refs = refs[n_lists + 2 + n_score:-2]
     block_q, bkv = BLOCK
     stages = STAGES[p.E]
     rows = p.L // block_q
     program = lax.axis_index("programs")
     tiles = p.B * rows * p.Hq
     programs = -(-tiles // group)
-    if dealt:
-        n_tiles = jnp.minimum(group, lax.div(tiles - program + programs - 1, programs))
-    else:
-        n_tiles = jnp.minimum(group, tiles - program * group)
+    dealt = dealt_ref[0] != 0
+    n_tiles = jnp.minimum(group, jnp.where(
+        dealt, lax.div(tiles - program + programs - 1, programs), tiles - program * group))
     lists = BlockLists(p, list_refs, has_full)
 
     def tile(i):
         """(b, h, row) of this program's tile i: `group` consecutive tiles per program, or
         `dealt` round the programs (program p takes tiles p, p + programs, ...)."""
-        return tile_of(p, order_ref, i * programs + program if dealt else program * group + i,
-                       rows)
+        return tile_of(p, order_ref, jnp.where(dealt, i * programs + program,
+                                               program * group + i), rows)
 
     def slot_of(count):
         return lax.rem(count, jnp.int32(stages))
@@ -243,19 +243,22 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     group = _tiles_per_program(
         tiles, MAX_TILES_PER_PROGRAM_DENSE if p.dense else MAX_TILES_PER_PROGRAM)
     programs = -(-tiles // group)
-    # Consecutive tiles (one BlockMask row, heads in turn) share K/V in L2 across the programs
-    # running at once; but where all programs fit in one wave over the SMs and rows differ in
-    # work, nothing balances them: the tiles are then dealt, so that each program gets one of
-    # the heaviest, one of the next heaviest, and so on (H100, B4 Hq16 Hkv4 L2048 D128 causal:
-    # 467 TFLOP/s dealt against 300 consecutive; dealing costs L2 reuse on full masks: L4096
-    # 507 against 586).
-    dealt = not p.dense and programs <= hardware.num_sms()
     # The rows with the most blocks first, so that the last programs to start are short ones.
     order = heaviest_first(lists, has_full)
+    # Consecutive tiles (one BlockMask row, heads in turn) share K/V in L2 across the programs
+    # running at once; where rows differ so much in work that the first programs' tiles
+    # outlast the rest, the tiles are dealt instead, so that each program gets one of the
+    # heaviest, one of the next heaviest, and so on (`deals`, decided per call from the
+    # BlockMask's counts). H100, B4 Hq16 Hkv4 L2048 D128 causal: 467 TFLOP/s dealt against
+    # 300 consecutive; full masks lose L2 reuse dealt, L4096 507 against 586. H200, B1 H16
+    # L16384 D128: packed documents of 1k-7k tokens 466 dealt against 384; causal 534 dealt
+    # against 570 and documents of 4k 484 against 524 consecutive.
+    dealt = (jnp.zeros((1,), jnp.int32) if p.dense else
+             deals(lists, has_full, order, tiles=tiles, group=group, sms=hardware.num_sms()))
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
-                               score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype,
-                               group=group, dealt=dealt)
-    operands, axes = kernel_operands(q, k, v, *lists, order, *score_captures, *mask_captures)
+                               score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype, group=group)
+    operands, axes = kernel_operands(q, k, v, *lists, order, dealt, *score_captures,
+                                     *mask_captures)
     out, lse = plgpu.kernel(
         kernel,
         out_type=[out_struct((p.B, p.Hq, p.L, p.E), q.dtype, operands[0]),

@@ -48,6 +48,35 @@ def heaviest_first(lists, has_full: bool, summed_axes: tuple[int, ...] = ()):
     return jnp.argsort(-steps.reshape(-1), stable=True).astype(jnp.int32)
 
 
+def deals(lists, has_full: bool, order, *, tiles: int, group: int, sms: int):
+    """Whether programs of `group` tiles each should take them dealt (program p: tiles p,
+    p + programs, ...) rather than consecutive in `order` (heaviest rows first): int32 [1]
+    holding 1 or 0, from the BlockMask's counts, by the time each would take. Consecutive
+    tiles share K/V in L2 across the programs running at once, but the first programs'
+    heaviest tiles outlast the rest when a few rows hold most of the work (packed documents of
+    unequal lengths); dealt programs take about equal work. A tile counts its blocks plus one
+    (loading its queries, storing its output)."""
+    steps = (lists[0] + lists[2] if has_full else lists[0]).reshape(-1)
+    programs = -(-tiles // group)
+    work = jnp.zeros(programs * group, jnp.float32).at[:tiles].set(jnp.repeat(
+        steps[order].astype(jnp.float32) + 1.0, tiles // steps.size, total_repeat_length=tiles))
+    consecutive = _makespan(work.reshape(programs, group).sum(axis=1), sms)
+    dealt = _makespan(work.reshape(group, programs).sum(axis=0), sms)
+    # Dealing gives up some L2 reuse: it must be clearly faster.
+    return (1.05 * dealt < consecutive).astype(jnp.int32).reshape(1)
+
+
+def _makespan(program_work, sms: int):
+    """The time of programs of `program_work` run in order on `sms` SMs, each starting as one
+    frees: in waves, wave k + 1's programs going (heaviest first) to the SMs that wave k
+    loaded least, which for programs of decreasing work is the wave reversed."""
+    waves = -(-program_work.size // sms)
+    loads = jnp.zeros(waves * sms, jnp.float32).at[:program_work.size].set(
+        program_work).reshape(waves, sms)
+    loads = loads.at[1::2].set(loads[1::2, ::-1])
+    return loads.sum(axis=0).max()
+
+
 class BlockLists:
     """One orientation's BlockMask lists in a kernel ([counts, indices], then the full ones):
     a row's (or column's) partial blocks first, then its full ones."""
