@@ -2,13 +2,13 @@
 
 Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn, the rows
 with the most blocks first (consecutive tiles, or dealt round the programs where a few rows
-hold most of the work: decided per call from the BlockMask's counts), with three warpgroups. The producer walks each tile's BlockMask
-lists (partial blocks, then full ones) and streams each listed K/V block into a ring of
-shared-memory slots with TMA, running on into the next tile while the consumers finish this
-one. The two consumers each own 64 query rows of the tile; they compute S = Q·Kᵀ with wgmma,
-apply score_mod (and mask_mod on partial blocks) to the float32 tile in registers, run the
-online softmax in base 2 and accumulate P·V with wgmma, while the next tile's queries load into
-a second buffer. A schedule barrier alternates the consumers, so one's softmax overlaps the
+hold most of the work: decided per call from the BlockMask's counts), with three warpgroups.
+The producer walks each tile's BlockMask lists (partial blocks, then full ones) and streams
+each listed K/V block into a ring of shared-memory slots with TMA, running on into the next
+tile while the consumers finish this one. The two consumers each own 64 query rows of the
+tile; they compute S = Q·Kᵀ with wgmma, apply score_mod (and mask_mod on partial blocks) to
+the float32 tile in registers, run the online softmax in base 2 and accumulate P·V with
+wgmma, while the next tile's queries load into a second buffer. A schedule barrier alternates the consumers, so one's softmax overlaps the
 other's matmuls (FlashAttention-3's ping-pong).
 """
 

@@ -185,7 +185,6 @@ class _Positions(Deferred):
         return dataclasses.replace(self, shape=shape)
 
 
-
 @dataclasses.dataclass(frozen=True)
 class _Uniform(Deferred):
     """A scalar standing for an array of `shape` holding it everywhere."""
