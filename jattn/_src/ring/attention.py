@@ -39,7 +39,7 @@ from jattn._src.ring import strategy as strategies
 from jattn._src.ring.arguments import check_whole_mask, checked_token_arrays, mask_mod_of
 from jattn._src.ring.layout import check_layout
 from jattn._src.ring.pair import Pair, RingMods, visited_blocks
-from jattn._src.ring.schedule import RingSchedule, ring_schedule
+from jattn._src.ring.schedule import RingSchedule, ring_schedule, runs
 
 _FN = "ring_flex_attention"
 
@@ -144,22 +144,17 @@ class _Ring:
                 for x in xs]
 
 
-def _runs(positions: np.ndarray) -> list[np.ndarray]:
-    """Sorted positions split into runs of consecutive ones."""
-    return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
-
-
 def _taken(x, positions: np.ndarray, axis: int):
     """x at the sorted static `positions` along `axis` (slices of its runs)."""
     return jnp.concatenate([lax.slice_in_dim(x, int(run[0]), int(run[-1]) + 1, axis=axis)
-                            for run in _runs(positions)], axis=axis)
+                            for run in runs(positions)], axis=axis)
 
 
 def _put(into, x, positions: np.ndarray, axis: int):
     """`into` holding x at the sorted static `positions` along `axis`."""
     out, x = aligned(into, x)
     start = 0
-    for run in _runs(positions):
+    for run in runs(positions):
         piece = lax.slice_in_dim(x, start, start + run.size, axis=axis)
         out = lax.dynamic_update_slice_in_dim(out, piece, int(run[0]), axis=axis)
         start += run.size
@@ -181,6 +176,12 @@ def _merge(out, lse, step_out, step_lse):
     step_weight = jnp.where(finite, jnp.exp(step_lse - jnp.where(finite, new, 0.0)), 0.0)
     out = out * old_weight[..., None] + step_out.astype(jnp.float32) * step_weight[..., None]
     return out, new
+
+
+def _nothing_attended(B: int, Hq: int, Lc: int, Ev: int):
+    """(out, lse) of queries that attend no key: zeros and -inf."""
+    return (jnp.zeros((B, Hq, Lc, Ev), jnp.float32),
+            jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32))
 
 
 def _dense_tables(whole_mask, num_devices: int):
@@ -227,16 +228,13 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         if out is None and ring.schedule.row_positions(i) is None:
             out, lse = step
         else:
-            if out is None:
-                out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
-                lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
-            out, lse = ring.rows_updated(i, (out, lse), step, lambda old, new: _merge(*old, *new))
+            totals = _nothing_attended(B, Hq, Lc, Ev) if out is None else (out, lse)
+            out, lse = ring.rows_updated(i, totals, step, lambda old, new: _merge(*old, *new))
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
     if out is None:  # no step has work anywhere
-        out = jnp.zeros((B, Hq, Lc, Ev), jnp.float32)
-        lse = jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32)
+        out, lse = _nothing_attended(B, Hq, Lc, Ev)
     return out.astype(q.dtype), lse, launched, block_masks
 
 

@@ -25,6 +25,7 @@ from jattn._src.masks.block_mask import BlockMask
 from jattn._src.ring import blocks
 from jattn._src.ring.layout import from_zigzag, global_positions, to_zigzag
 
+
 def _whole_sequence(x, axis_name: str, layout: str, axis: int):
     """The whole sequence of the devices' shards x (along `axis`), in its original order."""
     whole = lax.all_gather(x, axis_name, axis=axis, tiled=True)

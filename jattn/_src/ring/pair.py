@@ -24,6 +24,7 @@ from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.create import create_block_mask
 from jattn._src.mesh_axes import aligned
 from jattn._src.ring.layout import global_positions
+from jattn._src.ring.schedule import runs
 from jattn._src.user_functions import CaptureSet, TracedFunction
 
 
@@ -131,8 +132,7 @@ def _in_shard(index, local: np.ndarray | None):
     blocks; None: the whole shard, in order): the index shifted by its block's offset."""
     if local is None:
         return index
-    runs = np.split(local, np.flatnonzero(np.diff(local) != 1) + 1)
-    block = int(np.gcd.reduce([int(x) for run in runs for x in (run[0], run.size)]))
+    block = int(np.gcd.reduce([int(x) for run in runs(local) for x in (run[0], run.size)]))
     shifts = (local[::block] - np.arange(0, local.size, block)) // block
     typed = np.dtype(index.dtype).type
     shift = lax.clamp(typed(shifts.min()), jnp.asarray(shifts, index.dtype)[

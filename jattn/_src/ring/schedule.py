@@ -56,6 +56,11 @@ class RingSchedule:
         return _positions(None if self.rows is None else self.rows[i], self.row_block)
 
 
+def runs(positions: np.ndarray) -> list[np.ndarray]:
+    """Sorted positions split into runs of consecutive ones."""
+    return np.split(positions, np.flatnonzero(np.diff(positions) != 1) + 1)
+
+
 def _positions(blocks: tuple[int, ...] | None, size: int) -> np.ndarray | None:
     if blocks is None:
         return None
