@@ -57,9 +57,12 @@ def _mask(kind: str, length: int):
     return document
 
 
-def _loss_grad(attention, cotangent):
-    return jax.jit(jax.grad(lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32),
-                                                     cotangent), argnums=(0, 1, 2)))
+def _loss_grad(attention):
+    """jit of (q, k, v, cotangent) -> the gradients of <attention(q, k, v), cotangent>: the
+    cotangent an argument, as a training step's is (captured, the ring would slice each
+    device's shard out of a constant of the whole sequence)."""
+    return jax.jit(jax.grad(lambda q, k, v, cotangent: jnp.vdot(
+        attention(q, k, v).astype(jnp.float32), cotangent), argnums=(0, 1, 2)))
 
 
 def time_ring(devices: int, layout: str, strategy: str, block_mask, q, k, v,
@@ -73,15 +76,14 @@ def time_ring(devices: int, layout: str, strategy: str, block_mask, q, k, v,
 
     ring = jax.shard_map(local, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
     sharded = NamedSharding(mesh, SEQ)
-    args = [jax.device_put(x, sharded) for x in (q, k, v)]
-    step = _loss_grad(ring, jax.device_put(cotangent, sharded))
-    return time_jax(step, [args])
+    args = [jax.device_put(x, sharded) for x in (q, k, v, cotangent)]
+    return time_jax(_loss_grad(ring), [args])
 
 
 def time_whole(block_mask, q, k, v, cotangent) -> float:
     step = _loss_grad(lambda q, k, v: jattn.flex_attention(
-        q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] < q.shape[1]), cotangent)
-    return time_jax(step, [[q, k, v]])
+        q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] < q.shape[1]))
+    return time_jax(step, [[q, k, v, cotangent]])
 
 
 def main() -> None:

@@ -104,19 +104,12 @@ class _Ring:
     def rows_updated(self, i: int, totals, parts, combine: Callable) -> list:
         """totals with combine(total rows, part) at the query positions the i-th step
         attends (sequence on axis 2)."""
-        positions = self.schedule.row_positions(i)
-        combined = combine(self.rows(i, *totals), parts)
-        return list(combined) if positions is None else [
-            _put(total, x, positions, 2) for total, x in zip(totals, combined)]
+        return _updated(totals, parts, self.schedule.row_positions(i), combine)
 
-    def returned(self, i: int, parts, shard: int) -> list:
-        """The i-th step's dK/dV parts sent back to the device of their shard, placed at
-        their positions of its shard (zeros elsewhere)."""
-        parts = self.pass_on(-self.schedule.steps[i], *parts)
-        positions = self.schedule.kept_positions(i)
-        if positions is None:
-            return parts
-        return [_placed(x, positions, shard, 2) for x in parts]
+    def returned(self, i: int, parts) -> list:
+        """The i-th step's dK/dV parts sent back to the device of their shard (at their
+        positions there: `kept_positions`)."""
+        return self.pass_on(-self.schedule.steps[i], *parts)
 
     def attended(self, i: int, has_blocks, attend: Callable, skip: Callable, *args):
         """attend(*args) for the i-th scheduled step, or skip(*args) on a device whose pair
@@ -161,26 +154,38 @@ def _put(into, x, positions: np.ndarray, axis: int):
     return out
 
 
-def _placed(x, positions: np.ndarray, length: int, axis: int):
-    """Zeros of `length` along `axis` holding x at the sorted static `positions`."""
-    shape = list(x.shape)
-    shape[axis] = length
-    return _put(jnp.zeros(shape, x.dtype), x, positions, axis)
+def _updated(totals, parts, positions: np.ndarray | None, combine: Callable) -> list:
+    """totals with combine(totals there, parts) at the sorted static `positions` along axis 2
+    (None: everywhere), each in its combined result's dtype."""
+    if positions is None:
+        return list(combine(totals, parts))
+    combined = combine([_taken(total, positions, 2) for total in totals], parts)
+    # materialised before the totals are written: fused into the writes, the reads of the
+    # totals' rows would make XLA copy each whole total to update it
+    combined = lax.optimization_barrier(combined)
+    return [_put(total.astype(x.dtype), x, positions, 2) for total, x in zip(totals, combined)]
 
 
-def _merge(out, lse, step_out, step_lse):
-    """Two partial attentions over disjoint keys, merged through their LSEs (float32 out)."""
+def _summed(dtype):
+    """combine for _updated: the float32 sums of totals and parts, in dtype."""
+    return lambda totals, parts: [(total.astype(jnp.float32) + part.astype(jnp.float32))
+                                  .astype(dtype) for total, part in zip(totals, parts)]
+
+
+def _merge(out, lse, step_out, step_lse, dtype):
+    """Two partial attentions over disjoint keys, merged through their LSEs (out in dtype)."""
     new = jnp.logaddexp(lse, step_lse)
     finite = jnp.isfinite(new)
     old_weight = jnp.where(finite, jnp.exp(lse - jnp.where(finite, new, 0.0)), 0.0)
     step_weight = jnp.where(finite, jnp.exp(step_lse - jnp.where(finite, new, 0.0)), 0.0)
-    out = out * old_weight[..., None] + step_out.astype(jnp.float32) * step_weight[..., None]
-    return out, new
+    out = (out.astype(jnp.float32) * old_weight[..., None]
+           + step_out.astype(jnp.float32) * step_weight[..., None])
+    return out.astype(dtype), new
 
 
-def _nothing_attended(B: int, Hq: int, Lc: int, Ev: int):
-    """(out, lse) of queries that attend no key: zeros and -inf."""
-    return (jnp.zeros((B, Hq, Lc, Ev), jnp.float32),
+def _nothing_attended(B: int, Hq: int, Lc: int, Ev: int, dtype):
+    """(out in dtype, lse) of queries that attend no key: zeros and -inf."""
+    return (jnp.zeros((B, Hq, Lc, Ev), dtype),
             jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32))
 
 
@@ -215,11 +220,11 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
                                                 scale=ring.scale, enable_gqa=ring.enable_gqa,
                                                 return_lse=True,
                                                 implementation=ring.implementation)
-            return tuple(ring.pair_typed([step_out.astype(jnp.float32), step_lse], q, k, v))
+            return tuple(ring.pair_typed([step_out, step_lse], q, k, v))
 
         def skip(k, v, q=q_rows):  # what attend gives for no keys
-            zero = ring.pair_typed([jnp.zeros(q.shape[:3] + (Ev,), jnp.float32)], q, k, v)[0]
-            return zero, zero[..., 0] - jnp.inf
+            zero, = ring.pair_typed([jnp.zeros(q.shape[:3] + (Ev,), q.dtype)], q, k, v)
+            return zero, zero[..., 0].astype(jnp.float32) - jnp.inf
 
         # The next step's keys are sent while this one's are attended to.
         if i + 1 < len(steps):
@@ -228,13 +233,17 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         if out is None and ring.schedule.row_positions(i) is None:
             out, lse = step
         else:
-            totals = _nothing_attended(B, Hq, Lc, Ev) if out is None else (out, lse)
-            out, lse = ring.rows_updated(i, totals, step, lambda old, new: _merge(*old, *new))
+            # merged in float32, kept in q's dtype after the last step: rounded once, and
+            # nothing passes over whole shards to convert them
+            dtype = q.dtype if i + 1 == len(steps) else jnp.float32
+            totals = _nothing_attended(B, Hq, Lc, Ev, dtype) if out is None else (out, lse)
+            out, lse = ring.rows_updated(i, totals, step,
+                                         lambda old, new, d=dtype: _merge(*old, *new, d))
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
     if out is None:  # no step has work anywhere
-        out, lse = _nothing_attended(B, Hq, Lc, Ev)
+        out, lse = _nothing_attended(B, Hq, Lc, Ev, q.dtype)
     return out.astype(q.dtype), lse, launched, block_masks
 
 
@@ -247,7 +256,10 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     # pairs see the captures as varying over q's axes and sum nothing.
     varying_caps = aligned(q, *score_caps)[1:]
     floats = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps]
-    dq, dk, dv = ring.pair_typed([jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)], q, k, v)
+    # dQ and dK/dV are summed in float32 and kept in the inputs' dtypes after their last
+    # part (a step's parts come in them); before a first part covering the whole shard,
+    # they are zeros
+    dq = dk = dv = None
     d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
                               for c, f in zip(score_caps, floats) if f], q, k, v)
     steps = ring.schedule.steps
@@ -268,30 +280,43 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                 q, k, v, out, lse, d_out, d_lse, pair.score, block_mask,
                 score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
                 implementation=ring.implementation)
-            # dK/dV parts as the kernels give them, in k's and v's dtype (no precision to
-            # lose on the way home)
-            parts = [dq_p.astype(jnp.float32), dk_p.astype(k.dtype), dv_p.astype(v.dtype),
+            parts = [dq_p, dk_p, dv_p,
                      *(d.astype(jnp.float32) for d, f in zip(d_caps_p, floats) if f)]
             return ring.pair_typed(parts, q, k, v)
 
         def skip(k, v, q=rows[0]):
-            return ring.pair_typed([jnp.zeros(q.shape, jnp.float32), jnp.zeros_like(k),
-                                    jnp.zeros_like(v),
+            return ring.pair_typed([jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
                                     *(jnp.zeros(x.shape, jnp.float32) for x in d_caps)],
                                    q, k, v)
 
         parts = ring.attended(i, visited_blocks(block_mask) > 0, attend, skip, k_in, v_in)
+        last = i + 1 == len(steps)
         # the dK/dV part goes straight back to the keys' device (sent while the next step
         # computes)
-        dk_part, dv_part = ring.returned(i, parts[1:3], Lc)
-        dq, = ring.rows_updated(i, (dq,), parts[:1], lambda old, new: [old[0] + new[0]])
-        dk, dv = dk + dk_part.astype(jnp.float32), dv + dv_part.astype(jnp.float32)
+        dk_part, dv_part = ring.returned(i, parts[1:3])
+        dq, = _added((dq,), parts[:1], (q,), ring.schedule.row_positions(i), last)
+        dk, dv = _added((dk, dv), (dk_part, dv_part), (k, v),
+                        ring.schedule.kept_positions(i), last)
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
+    dq, dk, dv = (ring.pair_typed([jnp.zeros_like(x)], x)[0] if d is None else d
+                  for d, x in ((dq, q), (dk, k), (dv, v)))
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
     cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
                       if f else None for c, f in zip(score_caps, floats))
     return (*grads, cap_grads)
+
+
+def _added(totals, parts, like, positions: np.ndarray | None, last: bool) -> list:
+    """Gradient totals (None before their first part) plus a step's parts at `positions` of
+    the shard (axis 2; None: everywhere): in float32, or in `like`'s dtypes after the last."""
+    if totals[0] is None:
+        if positions is None:
+            return list(parts)
+        totals = [jnp.zeros(x.shape, x.dtype if last else jnp.float32) for x in like]
+    dtypes = [x.dtype if last else jnp.float32 for x in like]
+    return [_updated([total], [part], positions, _summed(dtype))[0]
+            for total, part, dtype in zip(totals, parts, dtypes)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
