@@ -30,24 +30,23 @@ logger = logging.getLogger("jattn")
 class Backend:
     """Where and how an implementation runs.
 
-    platforms: where it can run ("gpu": a CUDA GPU, "cpu"). pallas: it runs jattn's Pallas
-    kernels, so tile configs and mods traced at tile shapes apply. interpret: those kernels run
-    in the Pallas interpreter. direct_launch: a forward is one compiled Triton kernel that the
-    torch ops may launch without JAX's dispatch.
+    platforms: where it can run ("gpu": a CUDA GPU, "cpu"). interpret: jattn's Pallas kernels
+    run in the Pallas interpreter. direct_launch: a forward is one compiled Triton kernel that
+    the torch ops may launch without JAX's dispatch. (Whether an op's calls choose tile
+    configs on it is the op's `Implementation.tunable`.)
     """
 
     name: str
     platforms: tuple[str, ...]
-    pallas: bool
     interpret: bool = False
     direct_launch: bool = False
 
 
-XLA = Backend("xla", ("cpu", "gpu"), pallas=False)
-PALLAS_TRITON = Backend("pallas_triton", ("gpu",), pallas=True, direct_launch=True)
-INTERPRET = Backend("interpret", ("cpu", "gpu"), pallas=True, interpret=True)
+XLA = Backend("xla", ("cpu", "gpu"))
+PALLAS_TRITON = Backend("pallas_triton", ("gpu",), direct_launch=True)
+INTERPRET = Backend("interpret", ("cpu", "gpu"), interpret=True)
 # Hopper kernels on Mosaic GPU (TMA, wgmma, warp specialisation); flex_attention's forward only.
-PALLAS_MOSAIC_GPU = Backend("pallas_mosaic_gpu", ("gpu",), pallas=True)
+PALLAS_MOSAIC_GPU = Backend("pallas_mosaic_gpu", ("gpu",))
 BACKENDS = {backend.name: backend
             for backend in (PALLAS_TRITON, XLA, INTERPRET, PALLAS_MOSAIC_GPU)}
 
@@ -68,8 +67,9 @@ def _never_slower(**facts: Any) -> str | None:
 class Implementation:
     """One op on one backend.
 
-    module: the op's entry points on this backend (their names and signatures are the op's
-    business). unsupported(**facts): why this implementation cannot run a call, or None.
+    module: the op's entry points on this backend, the same names and signatures on every
+    backend of the op (flex_attention: specialise / forward / backward on a Problem; the GEMMs:
+    gemm/protocols.py). unsupported(**facts): why this implementation cannot run a call, or None.
     slower(**facts): why the default choice passes it over for a call it supports (measured
     slower there than the next in DEFAULT_ORDER), or None; naming it still runs it.
     config_class / heuristic / search_space: the backend's tunables, where it has any.
@@ -87,6 +87,11 @@ class Implementation:
     @property
     def name(self) -> str:
         return self.backend.name
+
+    @property
+    def tunable(self) -> bool:
+        """Whether calls on it choose a config (its kernels' tiles); XLA chooses its own."""
+        return self.config_class is not None
 
     def __repr__(self) -> str:
         return f"Implementation({self.op!r}, {self.name!r})"

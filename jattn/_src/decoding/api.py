@@ -294,7 +294,7 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     if 0 in (B, Lq, dims.S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, dims.Ev), q.dtype)
         lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
-    elif not implementation.backend.pallas or Lq > MAX_DECODE_QUERIES:
+    elif not implementation.tunable or Lq > MAX_DECODE_QUERIES:  # no split-KV kernel
         bad = None if checked else _bad_lengths(
             jnp, jnp.asarray(kv_len), dims.S, dims.page_size, dims.num_pages,
             None if cache is None else cache.page_table)

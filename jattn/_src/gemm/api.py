@@ -190,17 +190,10 @@ def _product(implementation: Implementation, config: MatmulConfig | None, out_dt
              bias=None, captures: Sequence[Any] = (), *, transpose_a=False, transpose_b=False,
              epilogue_tile: TracedFunction | None = None,
              epilogue_full: TracedFunction | None = None, save_preact=False):
-    common = dict(out_dtype=out_dtype, transpose_a=transpose_a, transpose_b=transpose_b)
-    if not implementation.backend.pallas:
-        return xla.matmul(a, b, bias, captures, epilogue=epilogue_full, save_preact=save_preact,
-                          **common)
-    interpret = implementation.backend.interpret
-    if config.split_k == 1:
-        return pallas_triton.matmul(a, b, bias, captures, config=config, epilogue=epilogue_tile,
-                                    save_preact=save_preact, interpret=interpret, **common)
-    partials = pallas_triton.matmul(a, b, None, (), config=config, interpret=interpret, **common)
-    return xla.apply_epilogue(partials.sum(axis=0), bias, captures, epilogue_full, out_dtype,
-                              save_preact)
+    return implementation.module.matmul_product(
+        a, b, bias, captures, config=config, out_dtype=out_dtype, transpose_a=transpose_a,
+        transpose_b=transpose_b, epilogue_tile=epilogue_tile, epilogue_full=epilogue_full,
+        save_preact=save_preact, interpret=implementation.backend.interpret)
 
 
 def product_for_shape(implementation: Implementation, a, b, out_dtype, **transposes):
@@ -210,7 +203,7 @@ def product_for_shape(implementation: Implementation, a, b, out_dtype, **transpo
     """
     config = None
     implementation = backends.on_backend_of("matmul", implementation)
-    if implementation.backend.pallas:
+    if implementation.tunable:
         m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
         k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
         n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
@@ -336,7 +329,7 @@ def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementat
     if not split_k and isinstance(config, MatmulConfig) and config.split_k != 1:
         raise ValueError(f"{op}: config.split_k={config.split_k} is not supported (the kernel "
                          "runs one program per output tile); use split_k=1.")
-    if not implementation.backend.pallas:  # XLA picks its own tiles: a config goes unused
+    if not implementation.tunable:  # XLA picks its own tiles: a config goes unused
         resolved, tile = None, (m, n)
     else:
         resolved = choose_config(op, implementation, config, m, n, k, dtype, split_k=split_k,

@@ -21,8 +21,7 @@ from jattn._src import backends
 from jattn._src.backends import Implementation
 from jattn._src.gemm import pallas_triton_b2b, xla
 from jattn._src.gemm.api import check_operands, matmul, product_for_shape
-from jattn._src.gemm.config import (B2B_MAX_HELD, B2BConfig, b2b_held_width,
-                                    heuristic_b2b_config)
+from jattn._src.gemm.config import B2B_MAX_HELD, B2BConfig, heuristic_b2b_config
 from jattn._src.precision import applied as precision_applied
 from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import jitted
@@ -48,11 +47,9 @@ class _Options:
 
     def product(self, a, b, c, captures):
         with precision_applied(self.precision):
-            if not self.implementation.backend.pallas:
-                return xla.b2b(a, b, c, captures, side=self.side, fn=self.fn_full)
-            return pallas_triton_b2b.b2b(a, b, c, captures, side=self.side, config=self.config,
-                                         fn=self.fn_tile,
-                                         interpret=self.implementation.backend.interpret)
+            return self.implementation.module.b2b_product(
+                a, b, c, captures, side=self.side, config=self.config, fn_tile=self.fn_tile,
+                fn_full=self.fn_full, interpret=self.implementation.backend.interpret)
 
     def plain(self, x, y, out_dtype, **transposes):
         with precision_applied(self.precision):
@@ -183,9 +180,7 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
     k, inner = (width, b.shape[1]) if left else (b.shape[1], width)
     outer, held_size = (m, n) if left else (n, m)
     full = (m, inner) if left else (inner, n)
-    on_chip = b2b_held_width(held_size) <= B2B_MAX_HELD
-
-    if implementation.backend.pallas and not on_chip:
+    if not implementation.module.holds(held_size):
         if config is not None:
             raise ValueError(
                 f"{_OP}: config given, but the kernel holds the whole {'N' if left else 'M'}="
@@ -198,7 +193,7 @@ def b2b_matmul(a: jax.Array, b: jax.Array, c: jax.Array,
         out = two(first, c) if left else two(a, first)
         return out.reshape(*lead, n)
 
-    if not implementation.backend.pallas:
+    if not implementation.tunable:
         resolved, tile = None, None
     else:
         resolved = config or heuristic_b2b_config(outer, held_size, inner, k, a.dtype)

@@ -40,13 +40,9 @@ class _Options:
     group_size: int | None
 
     def product(self, a, qweight, scales):
-        if not self.implementation.backend.pallas:
-            return xla.mixed_matmul(a, qweight, scales, bits=self.bits,
-                                    group_size=self.group_size, out_dtype=a.dtype)
-        out = pallas_triton_mixed.mixed_matmul(
+        return self.implementation.module.mixed_product(
             a, qweight, scales, bits=self.bits, group_size=self.group_size, config=self.config,
             out_dtype=a.dtype, interpret=self.implementation.backend.interpret)
-        return out if self.config.split_k == 1 else out.sum(axis=0).astype(a.dtype)
 
 
 class _Residuals(NamedTuple):
@@ -179,7 +175,7 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
     *lead, _ = a.shape
     m = math.prod(lead)
     resolved = None
-    if not implementation.backend.pallas:
+    if not implementation.tunable:
         if not (config is None or isinstance(config, MatmulConfig)):
             raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
     else:

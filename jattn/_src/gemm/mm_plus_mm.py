@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src.backends import Implementation
-from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.api import Epilogue, Options, check_operands, make_options, random_operand
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.precision import applied as precision_applied
@@ -25,13 +24,10 @@ def _product(options: Options, a, b, c, d, bias, captures, *, save_preact=False)
 
 
 def _unscoped_product(options: Options, a, b, c, d, bias, captures, *, save_preact=False):
-    if not options.implementation.backend.pallas:
-        return xla.mm_plus_mm(a, b, c, d, bias, captures, out_dtype=options.out_dtype,
-                              epilogue=options.epilogue_full, save_preact=save_preact)
-    return pallas_triton.mm_plus_mm(
+    return options.implementation.module.mm_plus_mm_product(
         a, b, c, d, bias, captures, config=options.config, out_dtype=options.out_dtype,
-        epilogue=options.epilogue_tile, save_preact=save_preact,
-        interpret=options.implementation.backend.interpret)
+        epilogue_tile=options.epilogue_tile, epilogue_full=options.epilogue_full,
+        save_preact=save_preact, interpret=options.implementation.backend.interpret)
 
 
 class _Residuals(NamedTuple):

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jattn._src.gemm.config import MatmulConfig
+from jattn._src.gemm.xla import apply_epilogue
 from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.pallas_triton.compile import compiler_params
 from jattn._src.pallas_triton.captured_loads import call_in_kernel
@@ -304,3 +305,44 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
         name=name,
     )(*operands)
     return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The ops' entry points (gemm/protocols.py GemmBackend)
+# ------------------------------------------------------------------------------------------------
+
+def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
+                   *, config: MatmulConfig, out_dtype, transpose_a: bool = False,
+                   transpose_b: bool = False, epilogue_tile: TracedFunction | None = None,
+                   epilogue_full: TracedFunction | None = None, save_preact: bool = False,
+                   interpret: bool = False):
+    """GemmBackend.matmul_product: one kernel, or with config.split_k > 1 the kernel's partial
+    sums added, then the bias and the epilogue (traced at [M, N]) on the whole product."""
+    transposes = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    if config.split_k == 1:
+        return matmul(a, b, bias, captures, config=config, out_dtype=out_dtype,
+                      epilogue=epilogue_tile, save_preact=save_preact, interpret=interpret,
+                      **transposes)
+    partials = matmul(a, b, None, (), config=config, out_dtype=out_dtype, interpret=interpret,
+                      **transposes)
+    return apply_epilogue(partials.sum(axis=0), bias, captures, epilogue_full, out_dtype,
+                          save_preact)
+
+
+def mm_plus_mm_product(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
+                       bias: jax.Array | None, captures: Sequence[Any], *,
+                       config: MatmulConfig, out_dtype,
+                       epilogue_tile: TracedFunction | None = None, epilogue_full=None,
+                       save_preact: bool = False, interpret: bool = False):
+    """GemmBackend.mm_plus_mm_product."""
+    del epilogue_full
+    return mm_plus_mm(a, b, c, d, bias, captures, config=config, out_dtype=out_dtype,
+                      epilogue=epilogue_tile, save_preact=save_preact, interpret=interpret)
+
+
+def scaled_product(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                   bias: jax.Array | None, *, config: MatmulConfig, out_dtype,
+                   use_fast_accum: bool = False, interpret: bool = False):
+    """GemmBackend.scaled_product."""
+    return scaled_matmul(a, b, scale_a, scale_b, bias, config=config, out_dtype=out_dtype,
+                         use_fast_accum=use_fast_accum, interpret=interpret)

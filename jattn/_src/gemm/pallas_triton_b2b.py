@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jattn._src.gemm.config import B2BConfig, b2b_held_width
+from jattn._src.gemm.config import B2B_MAX_HELD, B2BConfig, b2b_held_width
 from jattn._src.pallas_triton.captured_loads import call_in_kernel
 from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.tiling import cdiv
@@ -155,3 +155,20 @@ def b2b(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, si
         interpret=interpret,
         name=f"jattn_b2b_{side}",
     )(a, b, c, *captures)
+
+
+# ------------------------------------------------------------------------------------------------
+# The op's entry points (gemm/protocols.py B2BBackend)
+# ------------------------------------------------------------------------------------------------
+
+def holds(held_size: int) -> bool:
+    """B2BBackend.holds: the held side, padded to a power of two, within B2B_MAX_HELD."""
+    return b2b_held_width(held_size) <= B2B_MAX_HELD
+
+
+def b2b_product(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, side: str,
+                config: B2BConfig, fn_tile: TracedFunction | None = None, fn_full=None,
+                interpret: bool = False):
+    """B2BBackend.b2b_product: the kernel, fn traced at its tile."""
+    del fn_full
+    return b2b(a, b, c, captures, side=side, config=config, fn=fn_tile, interpret=interpret)

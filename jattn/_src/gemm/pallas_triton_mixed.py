@@ -199,3 +199,12 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
         interpret=interpret,
         name=f"jattn_mixed_matmul_int{bits}",
     )(a, qweight, scales)
+
+
+def mixed_product(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: int,
+                  group_size: int | None, config: MatmulConfig, out_dtype,
+                  interpret: bool = False) -> jax.Array:
+    """MixedBackend.mixed_product: the kernel, its split-K partial sums added."""
+    out = mixed_matmul(a, qweight, scales, bits=bits, group_size=group_size, config=config,
+                       out_dtype=out_dtype, interpret=interpret)
+    return out if config.split_k == 1 else out.sum(axis=0).astype(out_dtype)

@@ -12,7 +12,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn._src.gemm import pallas_triton, xla
 from jattn._src.gemm.api import Options, make_options
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.programs import jitted
@@ -55,12 +54,9 @@ def _canonical_scale(name: str, scale: Any, per: str, row_wise_shapes,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _scaled_matmul(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):
-    if not options.implementation.backend.pallas:
-        return xla.scaled_matmul(a, b, scale_a, scale_b, bias, out_dtype=options.out_dtype)
-    return pallas_triton.scaled_matmul(a, b, scale_a, scale_b, bias, config=options.config,
-                                       out_dtype=options.out_dtype,
-                                       use_fast_accum=use_fast_accum,
-                                       interpret=options.implementation.backend.interpret)
+    return options.implementation.module.scaled_product(
+        a, b, scale_a, scale_b, bias, config=options.config, out_dtype=options.out_dtype,
+        use_fast_accum=use_fast_accum, interpret=options.implementation.backend.interpret)
 
 
 def _scaled_matmul_fwd(options: Options, use_fast_accum: bool, a, b, scale_a, scale_b, bias):

@@ -1,4 +1,6 @@
-"""The GEMM through XLA (`jnp.dot`), with the same operands and options as the Pallas kernel."""
+"""The GEMM family through XLA (`jnp.dot`): each op's entry points (gemm/protocols.py), with
+the same math as the Pallas kernels. XLA chooses its own tiles: the config, the tile-traced
+epilogue and `interpret` go unused."""
 
 from __future__ import annotations
 
@@ -31,59 +33,77 @@ def apply_epilogue(acc: jax.Array, bias: jax.Array | None, captures: Sequence[An
     return (out, preact) if save_preact else out
 
 
-def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any], *,
-           out_dtype, transpose_a: bool = False, transpose_b: bool = False,
-           epilogue: TracedFunction | None = None, save_preact: bool = False):
-    """Same contract as `pallas_triton.matmul` with split_k == 1; epilogue traced at [M, N]."""
+def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
+                   *, config=None, out_dtype, transpose_a: bool = False,
+                   transpose_b: bool = False, epilogue_tile=None,
+                   epilogue_full: TracedFunction | None = None, save_preact: bool = False,
+                   interpret: bool = False):
+    """GemmBackend.matmul_product; the epilogue traced at [M, N]."""
+    del config, epilogue_tile, interpret
     # bf16/f16 products are exact in float32, so upcasting first is the same math, and it also
     # runs where XLA has no mixed-precision batched dot (the CPU backend, under bmm's vmap).
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     acc = jnp.dot(a.T if transpose_a else a, b.T if transpose_b else b,
                   preferred_element_type=jnp.float32)
-    return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)
+    return apply_epilogue(acc, bias, captures, epilogue_full, out_dtype, save_preact)
 
 
-def mm_plus_mm(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
-               bias: jax.Array | None, captures: Sequence[Any], *, out_dtype,
-               epilogue: TracedFunction | None = None, save_preact: bool = False):
-    """Same contract as `pallas_triton.mm_plus_mm`; epilogue traced at [M, N]."""
+def mm_plus_mm_product(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
+                       bias: jax.Array | None, captures: Sequence[Any], *, config=None,
+                       out_dtype, epilogue_tile=None,
+                       epilogue_full: TracedFunction | None = None, save_preact: bool = False,
+                       interpret: bool = False):
+    """GemmBackend.mm_plus_mm_product; the epilogue traced at [M, N]."""
+    del config, epilogue_tile, interpret
     acc = sum(jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32),
                       preferred_element_type=jnp.float32) for x, y in ((a, b), (c, d)))
-    return apply_epilogue(acc, bias, captures, epilogue, out_dtype, save_preact)
+    return apply_epilogue(acc, bias, captures, epilogue_full, out_dtype, save_preact)
 
 
-def b2b(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, side: str,
-        fn: TracedFunction | None = None):
-    """Same contract as `pallas_triton_b2b.b2b`; fn traced at the whole intermediate."""
+def holds(held_size: int) -> bool:
+    """B2BBackend.holds: XLA holds any output side."""
+    del held_size
+    return True
+
+
+def b2b_product(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any], *, side: str,
+                config=None, fn_tile=None, fn_full: TracedFunction | None = None,
+                interpret: bool = False):
+    """B2BBackend.b2b_product; fn traced at the whole intermediate."""
+    del config, fn_tile, interpret
     f32 = lambda x: x.astype(jnp.float32)
     x, y = (a, b) if side == "left" else (b, c)
     inner = jnp.dot(f32(x), f32(y), preferred_element_type=jnp.float32)
-    if fn is not None:
-        inner = fn(captures, inner)[0]
+    if fn_full is not None:
+        inner = fn_full(captures, inner)[0]
     inner = f32(inner.astype(a.dtype))  # the kernel feeds the rounded values to the 2nd product
     x, y = (inner, c) if side == "left" else (a, inner)
     return jnp.dot(f32(x), f32(y), preferred_element_type=jnp.float32).astype(a.dtype)
 
 
-def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
-                  bias: jax.Array | None, *, out_dtype):
-    """Same contract as `pallas_triton.scaled_matmul`.
+def scaled_product(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
+                   bias: jax.Array | None, *, config=None, out_dtype,
+                   use_fast_accum: bool = False, interpret: bool = False):
+    """GemmBackend.scaled_product.
 
     fp8 values are exact in float32 and so are their products, so upcasting first is the
-    kernel's math (fp32 accumulation), and runs where XLA has no fp8 dot.
+    kernel's math (fp32 accumulation; use_fast_accum is a knob of the tensor cores), and runs
+    where XLA has no fp8 dot.
     """
+    del config, use_fast_accum, interpret
     acc = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
                   preferred_element_type=jnp.float32)
     return apply_epilogue(acc * scale_a * scale_b, bias, (), None, out_dtype, False)
 
 
-def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: int,
-                 group_size: int | None, out_dtype):
-    """Same contract as `pallas_triton_mixed.mixed_matmul` with split_k == 1.
+def mixed_product(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: int,
+                  group_size: int | None, config=None, out_dtype, interpret: bool = False):
+    """MixedBackend.mixed_product.
 
     The weight is dequantised in float32 and multiplied at full float32 precision: the kernel's
     math (exact integer widening, fp32 accumulation, scales in fp32) up to summation order.
     """
+    del config, interpret
     w = quantize.dequantize_weight(qweight, scales, bits=bits, group_size=group_size)
     return jnp.dot(a.astype(jnp.float32), w, precision=lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32).astype(out_dtype)
