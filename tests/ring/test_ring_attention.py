@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import jattn
 from jattn._src.attention.reference import attention_reference
 from jattn._src.ring.attention import ring_steps
-from jattn._src.ring.schedule import ring_schedule
+from jattn._src.ring.schedule import ring_schedule, work_balance
 from tests.helpers import (assert_close, assert_gradients_close, golden, low_precision, random,
                            random_cotangent_vjp)
 
@@ -255,6 +255,44 @@ def test_packed_documents_under_x64():
                                               block_mask=whole_mask))(q, q, q)
         expected = jattn.flex_attention(q, q, q, block_mask=whole_mask, implementation="xla")
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_float64_rings_equal_flex_attention_in_float64():
+    """float64 inputs (x64, the xla implementation): out, LSE and gradients as flex_attention's
+    in float64, through the steps' emptiness conditionals (a mask_mod) and without them (a
+    whole-sequence BlockMask whose second step attends a few rows)."""
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(11)
+        q, k, v = (random(rng, (1, 2, L, E), jnp.float64) for _ in range(3))
+        cotangents = random(rng, q.shape, jnp.float64), random(rng, q.shape[:3], jnp.float64)
+        window = MASKS["sliding"]
+        whole = _block_mask(window)
+        for ring in (_differentiable_ring(2, window, None, "contiguous"),
+                     _differentiable_ring(2, None, None, "contiguous", block_mask=whole)):
+            (out, lse), vjp = jax.vjp(jax.jit(ring), q, k, v)
+            (expected_out, expected_lse), expected_vjp = jax.vjp(
+                lambda q, k, v: jattn.flex_attention(q, k, v, block_mask=whole, return_lse=True,
+                                                     implementation="xla"), q, k, v)
+            assert out.dtype == lse.dtype == jnp.float64
+            for ours, theirs in zip((out, lse, *vjp(cotangents)),
+                                    (expected_out, expected_lse, *expected_vjp(cotangents))):
+                np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_the_schedule_is_read_inside_an_eager_shard_map():
+    """shard_map called without jit runs its body's jax ops as the map's own: the schedule of
+    a whole-sequence BlockMask (what strategy="auto" and the ring read) is computed by numpy
+    there as under jit."""
+    whole = _block_mask(MASKS["sliding"])
+    expected = ring_schedule(whole, 2, "zigzag"), work_balance(whole, 2, "zigzag")
+    seen = []
+
+    def local(x):
+        seen.append((ring_schedule(whole, 2, "zigzag"), work_balance(whole, 2, "zigzag")))
+        return x
+
+    jax.shard_map(local, mesh=_mesh(2), in_specs=SEQ, out_specs=SEQ)(jnp.zeros((1, 1, L, 1)))
+    assert seen == [expected]
 
 
 def test_document_ids_sharded_with_q_and_travelling_with_k():

@@ -32,14 +32,24 @@ MaskMod = Callable[..., jax.Array]
 DEFAULT_BLOCK = 128
 
 
-def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int) -> jax.Array:
-    """[..., rows] counts and [..., rows, columns] lists -> [..., rows, columns] bool table."""
-    valid = (jnp.arange(indices.shape[-1]) < num_blocks[..., None]) & (indices >= 0) & (
+def dense_from_lists(num_blocks: jax.Array, indices: jax.Array, columns: int,
+                     xp=jnp) -> jax.Array:
+    """[..., rows] counts and [..., rows, columns] lists -> [..., rows, columns] bool table;
+    xp=np: computed now by numpy, of known values (outside any trace, an eager shard_map's
+    included)."""
+    if xp is np:
+        num_blocks, indices = np.asarray(num_blocks), np.asarray(indices)
+    valid = (xp.arange(indices.shape[-1]) < num_blocks[..., None]) & (indices >= 0) & (
         indices < columns)
-    target = jnp.where(valid, indices, columns)  # invalid entries land in a spare column
-    table = jnp.zeros(indices.shape[:-1] + (columns + 1,), bool)
-    lead = jnp.indices(indices.shape, sparse=True)[:-1]
-    return table.at[(*lead, target)].set(True)[..., :columns]
+    target = xp.where(valid, indices, columns)  # invalid entries land in a spare column
+    lead = xp.indices(indices.shape, sparse=True)[:-1]
+    if xp is np:
+        table = np.zeros(indices.shape[:-1] + (columns + 1,), bool)
+        table[(*lead, target)] = True
+    else:
+        table = jnp.zeros(indices.shape[:-1] + (columns + 1,), bool).at[(*lead, target)].set(
+            True)
+    return table[..., :columns]
 
 
 def lists_from_dense(table: jax.Array) -> tuple[jax.Array, jax.Array]:

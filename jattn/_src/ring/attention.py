@@ -166,10 +166,17 @@ def _updated(totals, parts, positions: np.ndarray | None, combine: Callable) -> 
     return [_put(total.astype(x.dtype), x, positions, 2) for total, x in zip(totals, combined)]
 
 
+def _accumulating(dtype):
+    """The dtype partial results of `dtype` are merged and summed in: float32, or float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _summed(dtype):
-    """combine for _updated: the float32 sums of totals and parts, in dtype."""
-    return lambda totals, parts: [(total.astype(jnp.float32) + part.astype(jnp.float32))
-                                  .astype(dtype) for total, part in zip(totals, parts)]
+    """combine for _updated: the sums of totals and parts (in `_accumulating(dtype)`), in
+    dtype."""
+    acc = _accumulating(dtype)
+    return lambda totals, parts: [(total.astype(acc) + part.astype(acc)).astype(dtype)
+                                  for total, part in zip(totals, parts)]
 
 
 def _merge(out, lse, step_out, step_lse, dtype):
@@ -178,15 +185,16 @@ def _merge(out, lse, step_out, step_lse, dtype):
     finite = jnp.isfinite(new)
     old_weight = jnp.where(finite, jnp.exp(lse - jnp.where(finite, new, 0.0)), 0.0)
     step_weight = jnp.where(finite, jnp.exp(step_lse - jnp.where(finite, new, 0.0)), 0.0)
-    out = (out.astype(jnp.float32) * old_weight[..., None]
-           + step_out.astype(jnp.float32) * step_weight[..., None])
+    acc = _accumulating(dtype)
+    out = (out.astype(acc) * old_weight[..., None].astype(acc)
+           + step_out.astype(acc) * step_weight[..., None].astype(acc))
     return out.astype(dtype), new
 
 
 def _nothing_attended(B: int, Hq: int, Lc: int, Ev: int, dtype):
     """(out in dtype, lse) of queries that attend no key: zeros and -inf."""
     return (jnp.zeros((B, Hq, Lc, Ev), dtype),
-            jnp.full((B, Hq, Lc), -jnp.inf, jnp.float32))
+            jnp.full((B, Hq, Lc), -jnp.inf, _accumulating(dtype)))
 
 
 def _dense_tables(whole_mask, num_devices: int):
@@ -224,7 +232,7 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
 
         def skip(k, v, q=q_rows):  # what attend gives for no keys
             zero, = ring.pair_typed([jnp.zeros(q.shape[:3] + (Ev,), q.dtype)], q, k, v)
-            return zero, zero[..., 0].astype(jnp.float32) - jnp.inf
+            return zero, zero[..., 0].astype(_accumulating(q.dtype)) - jnp.inf
 
         # The next step's keys are sent while this one's are attended to.
         if i + 1 < len(steps):
@@ -233,9 +241,10 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         if out is None and ring.schedule.row_positions(i) is None:
             out, lse = step
         else:
-            # merged in float32, kept in q's dtype after the last step: rounded once, and
-            # nothing passes over whole shards to convert them
-            dtype = q.dtype if i + 1 == len(steps) else jnp.float32
+            # merged in float32 (float64 inputs: float64) and written in q's dtype by the
+            # last step, rounded once; no pass over whole shards converts the total unless an
+            # earlier step merges rows into it
+            dtype = q.dtype if i + 1 == len(steps) else _accumulating(q.dtype)
             totals = _nothing_attended(B, Hq, Lc, Ev, dtype) if out is None else (out, lse)
             out, lse = ring.rows_updated(i, totals, step,
                                          lambda old, new, d=dtype: _merge(*old, *new, d))
@@ -256,11 +265,11 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     # pairs see the captures as varying over q's axes and sum nothing.
     varying_caps = aligned(q, *score_caps)[1:]
     floats = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps]
-    # dQ and dK/dV are summed in float32 and kept in the inputs' dtypes after their last
-    # part (a step's parts come in them); before a first part covering the whole shard,
-    # they are zeros
+    # dQ and dK/dV: the steps' parts (in the inputs' dtypes) summed in float32 (float64 for
+    # float64 inputs) and written in the inputs' dtypes by the last step; None before the
+    # first part (`_added`)
     dq = dk = dv = None
-    d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), jnp.float32)
+    d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), _accumulating(jnp.result_type(c)))
                               for c, f in zip(score_caps, floats) if f], q, k, v)
     steps = ring.schedule.steps
     in_hand = ring.fetch(0, k, v, tokens) if steps else None
@@ -281,12 +290,13 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                 score_captures=varying_caps, scale=ring.scale, enable_gqa=ring.enable_gqa,
                 implementation=ring.implementation)
             parts = [dq_p, dk_p, dv_p,
-                     *(d.astype(jnp.float32) for d, f in zip(d_caps_p, floats) if f)]
+                     *(d.astype(_accumulating(d.dtype)) for d, f in zip(d_caps_p, floats)
+                       if f)]
             return ring.pair_typed(parts, q, k, v)
 
         def skip(k, v, q=rows[0]):
             return ring.pair_typed([jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
-                                    *(jnp.zeros(x.shape, jnp.float32) for x in d_caps)],
+                                    *(jnp.zeros_like(x) for x in d_caps)],
                                    q, k, v)
 
         parts = ring.attended(i, visited_blocks(block_mask) > 0, attend, skip, k_in, v_in)
@@ -309,12 +319,14 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
 
 def _added(totals, parts, like, positions: np.ndarray | None, last: bool) -> list:
     """Gradient totals (None before their first part) plus a step's parts at `positions` of
-    the shard (axis 2; None: everywhere): in float32, or in `like`'s dtypes after the last."""
+    the shard (axis 2; None: everywhere): summed in float32 (float64 for float64 inputs) and
+    kept so, or in `like`'s dtypes after the last step."""
     if totals[0] is None:
         if positions is None:
             return list(parts)
-        totals = [jnp.zeros(x.shape, x.dtype if last else jnp.float32) for x in like]
-    dtypes = [x.dtype if last else jnp.float32 for x in like]
+        totals = [jnp.zeros(x.shape, x.dtype if last else _accumulating(x.dtype))
+                  for x in like]
+    dtypes = [x.dtype if last else _accumulating(x.dtype) for x in like]
     return [_updated([total], [part], positions, _summed(dtype))[0]
             for total, part, dtype in zip(totals, parts, dtypes)]
 
@@ -400,7 +412,8 @@ def ring_flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     Args:
       q: [B, Hq, Lc, E], this device's shard of the queries (Lc = L / devices).
       k, v: [B, Hkv, Lc, E] and [B, Hkv, Lc, Ev], its shards of the keys and values; q, k, v
-        bfloat16, float16 or float32, one dtype.
+        bfloat16, float16 or float32 (float64 with jax_enable_x64, on the xla
+        implementation), one dtype.
       score_mod: `f(score, b, h, q_idx, kv_idx)` as in flex_attention, on global positions.
       mask_mod: `f(b, h, q_idx, kv_idx) -> bool` on global positions; None attends to every
         key. A BlockMask is built from it for every pair of shards, so a pair with nothing to

@@ -22,14 +22,14 @@ def check_layout(layout: str, shard_length: int, fn: str) -> None:
                          f"its length must be even, got {shard_length}.")
 
 
-def global_positions(local, device, num_devices: int, shard_length: int, layout: str):
+def global_positions(local, device, num_devices: int, shard_length: int, layout: str, xp=jnp):
     """The global positions of local indices `local` (int32 array) of the shard held by
-    `device` (an int or a traced int32 scalar)."""
+    `device` (an int or a traced int32 scalar); xp=np: of a known device, by numpy."""
     if layout == "contiguous":
         return local + device * shard_length
     half = shard_length // 2
     late = 2 * num_devices - 1 - device
-    return jnp.where(local < half, local + device * half, local - half + late * half)
+    return xp.where(local < half, local + device * half, local - half + late * half)
 
 
 def _zigzag_order(num_devices: int) -> list[int]:

@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jattn._src.masks.block_mask import BlockMask
+from jattn._src.masks.block_mask import BlockMask, dense_from_lists
 from jattn._src.ring.layout import global_positions
 
 
@@ -81,16 +81,20 @@ def _visited_blocks(block_mask: BlockMask, num_devices: int, layout: str):
     """(visited [query blocks, key blocks] of the whole sequence, any batch row or head;
     each device's query block rows; each device's key block columns)."""
     shard = block_mask.seq_lengths[0] // num_devices
-    with jax.ensure_compile_time_eval():  # (values known: computed now, not staged)
-        visited = np.asarray(block_mask.partial_blocks() | block_mask.full_blocks())
+    # values known: computed now by numpy (jax ops inside an eager shard_map would run as
+    # the map's own)
+    n_kv = block_mask.num_blocks[1]
+    visited = dense_from_lists(block_mask.kv_num_blocks, block_mask.kv_indices, n_kv, xp=np)
+    if block_mask.full_kv_num_blocks is not None:
+        visited |= dense_from_lists(block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                    n_kv, xp=np)
 
-        def blocks(device: int, size: int) -> np.ndarray:  # the shard's, in the whole sequence
-            starts = np.arange(0, shard, size, dtype=np.int32)
-            return np.asarray(global_positions(starts, device, num_devices, shard, layout)
-                              ) // size
+    def blocks(device: int, size: int) -> np.ndarray:  # the shard's, in the whole sequence
+        starts = np.arange(0, shard, size, dtype=np.int32)
+        return global_positions(starts, device, num_devices, shard, layout, xp=np) // size
 
-        rows = [blocks(d, block_mask.block_size[0]) for d in range(num_devices)]
-        columns = [blocks(d, block_mask.block_size[1]) for d in range(num_devices)]
+    rows = [blocks(d, block_mask.block_size[0]) for d in range(num_devices)]
+    columns = [blocks(d, block_mask.block_size[1]) for d in range(num_devices)]
     return visited.any(axis=(0, 1)), rows, columns
 
 
