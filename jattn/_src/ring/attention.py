@@ -101,11 +101,6 @@ class _Ring:
         positions = self.schedule.row_positions(i)
         return list(xs) if positions is None else [_taken(x, positions, 2) for x in xs]
 
-    def rows_updated(self, i: int, totals, parts, combine: Callable) -> list:
-        """totals with combine(total rows, part) at the query positions the i-th step
-        attends (sequence on axis 2)."""
-        return _updated(totals, parts, self.schedule.row_positions(i), combine)
-
     def returned(self, i: int, parts) -> list:
         """The i-th step's dK/dV parts sent back to the device of their shard (at their
         positions there: `kept_positions`)."""
@@ -164,6 +159,22 @@ def _updated(totals, parts, positions: np.ndarray | None, combine: Callable) -> 
     # totals' rows would make XLA copy each whole total to update it
     combined = lax.optimization_barrier(combined)
     return [_put(total.astype(x.dtype), x, positions, 2) for total, x in zip(totals, combined)]
+
+
+def _accumulated(totals, parts, positions: np.ndarray | None, dtype, *, empty: Callable,
+                 combine: Callable) -> list:
+    """The ring's running totals (output and LSE; dQ; dK/dV) after a step's parts at
+    `positions` of the shard (axis 2; None: all of it). Before the first part they are None:
+    a first part over the whole shard becomes them as it is (in the inputs' dtype, as the
+    kernels write it), else they start as empty(dtype). combine(dtype) merges the totals there
+    with the parts in `_accumulating`'s dtype and returns them in dtype: that one while steps
+    remain, the inputs' dtype after the last (rounded once; a whole-shard total is converted
+    only where an earlier step merges some rows into it)."""
+    if totals is None:
+        if positions is None:
+            return list(parts)
+        totals = empty(dtype)
+    return _updated(totals, parts, positions, combine(dtype))
 
 
 def _accumulating(dtype):
@@ -238,16 +249,11 @@ def _forward(ring: _Ring, q, k, v, score_caps, mask_caps, tokens, whole_mask):
         if i + 1 < len(steps):
             in_hand = ring.fetch(i + 1, k, v, tokens)
         step = ring.attended(i, blocks > 0, attend, skip, k_in, v_in)
-        if out is None and ring.schedule.row_positions(i) is None:
-            out, lse = step
-        else:
-            # merged in float32 (float64 inputs: float64) and written in q's dtype by the
-            # last step, rounded once; no pass over whole shards converts the total unless an
-            # earlier step merges rows into it
-            dtype = q.dtype if i + 1 == len(steps) else _accumulating(q.dtype)
-            totals = _nothing_attended(B, Hq, Lc, Ev, dtype) if out is None else (out, lse)
-            out, lse = ring.rows_updated(i, totals, step,
-                                         lambda old, new, d=dtype: _merge(*old, *new, d))
+        out, lse = _accumulated(
+            None if out is None else (out, lse), step, ring.schedule.row_positions(i),
+            q.dtype if i + 1 == len(steps) else _accumulating(q.dtype),
+            empty=lambda dtype: _nothing_attended(B, Hq, Lc, Ev, dtype),
+            combine=lambda dtype: lambda old, new: _merge(*old, *new, dtype))
         launched = launched + (blocks > 0).astype(jnp.int32)
         block_masks.append(None if block_mask is None else
                            dataclasses.replace(block_mask, mask_mod=None))
@@ -265,10 +271,8 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
     # pairs see the captures as varying over q's axes and sum nothing.
     varying_caps = aligned(q, *score_caps)[1:]
     floats = [jnp.issubdtype(jnp.result_type(c), jnp.floating) for c in score_caps]
-    # dQ and dK/dV: the steps' parts (in the inputs' dtypes) summed in float32 (float64 for
-    # float64 inputs) and written in the inputs' dtypes by the last step; None before the
-    # first part (`_added`)
-    dq = dk = dv = None
+    # [dQ] and [dK, dV]: None before the first part (`_accumulated`)
+    dq = dkv = None
     d_caps = ring.pair_typed([jnp.zeros(jnp.shape(c), _accumulating(jnp.result_type(c)))
                               for c, f in zip(score_caps, floats) if f], q, k, v)
     steps = ring.schedule.steps
@@ -300,35 +304,23 @@ def _backward(ring: _Ring, residuals, d_out, d_lse):
                                    q, k, v)
 
         parts = ring.attended(i, visited_blocks(block_mask) > 0, attend, skip, k_in, v_in)
-        last = i + 1 == len(steps)
+        dtype = q.dtype if i + 1 == len(steps) else _accumulating(q.dtype)
+        dq = _accumulated(dq, parts[:1], ring.schedule.row_positions(i), dtype,
+                          empty=lambda dtype: [jnp.zeros(q.shape, dtype)], combine=_summed)
         # the dK/dV part goes straight back to the keys' device (sent while the next step
         # computes)
-        dk_part, dv_part = ring.returned(i, parts[1:3])
-        dq, = _added((dq,), parts[:1], (q,), ring.schedule.row_positions(i), last)
-        dk, dv = _added((dk, dv), (dk_part, dv_part), (k, v),
-                        ring.schedule.kept_positions(i), last)
+        dkv = _accumulated(dkv, ring.returned(i, parts[1:3]), ring.schedule.kept_positions(i),
+                           dtype, empty=lambda dtype: [jnp.zeros(k.shape, dtype),
+                                                       jnp.zeros(v.shape, dtype)],
+                           combine=_summed)
         d_caps = [total + part for total, part in zip(d_caps, parts[3:])]
     dq, dk, dv = (ring.pair_typed([jnp.zeros_like(x)], x)[0] if d is None else d
-                  for d, x in ((dq, q), (dk, k), (dv, v)))
+                  for d, x in zip((*(dq or [None]), *(dkv or [None, None])), (q, k, v)))
     grads = [summed_to_vary_like(d.astype(x.dtype), x) for d, x in ((dq, q), (dk, k), (dv, v))]
     float_grads = iter(d_caps)
     cap_grads = tuple(summed_to_vary_like(next(float_grads).astype(jnp.result_type(c)), c)
                       if f else None for c, f in zip(score_caps, floats))
     return (*grads, cap_grads)
-
-
-def _added(totals, parts, like, positions: np.ndarray | None, last: bool) -> list:
-    """Gradient totals (None before their first part) plus a step's parts at `positions` of
-    the shard (axis 2; None: everywhere): summed in float32 (float64 for float64 inputs) and
-    kept so, or in `like`'s dtypes after the last step."""
-    if totals[0] is None:
-        if positions is None:
-            return list(parts)
-        totals = [jnp.zeros(x.shape, x.dtype if last else _accumulating(x.dtype))
-                  for x in like]
-    dtypes = [x.dtype if last else _accumulating(x.dtype) for x in like]
-    return [_updated([total], [part], positions, _summed(dtype))[0]
-            for total, part, dtype in zip(totals, parts, dtypes)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
