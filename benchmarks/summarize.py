@@ -2,9 +2,11 @@
 
     python -m benchmarks.summarize [--results benchmarks/results] [--plots benchmarks/plots]
 
-Reads attention.json, decode.json, matmul.json and context_parallel_2gpu.json (each written by
-its benchmark's --json), prints one Markdown table per file and draws one PNG per file
-(matplotlib, the `bench` extra). Files that are missing are skipped.
+Reads attention.json, decode.json, matmul.json, context_parallel_2gpu.json and
+context_parallel_4gpu.json (each written by its benchmark's --json), prints one Markdown table
+per file and draws one PNG per file (matplotlib, the `bench` extra), then the scaling of
+strategy="auto" over the context-parallel files present (a table and
+context_parallel_scaling.png). Files that are missing are skipped.
 """
 
 from __future__ import annotations
@@ -160,15 +162,57 @@ def context_parallel_table(rows: list[dict]) -> str:
 def context_parallel_plot(data: dict, figure) -> None:
     rows = data["rows"]
     cases = _context_parallel_cases(rows)
+    devices = next(row["devices"] for row in rows if "strategy" in row)
     axis = figure.subplots()
     _bars(axis, [f"{length // 1024}k {mask}" for length, mask in cases],
           {f"{strategy} {layout}": [_number(_speedups(rows, *case).get((strategy, layout)))
                                     for case in cases]
            for strategy, layout in _STRATEGY_COLUMNS},
           "speed-up over one GPU")
-    axis.axhline(2.0, color="black", linewidth=0.8, linestyle="--")
-    figure.suptitle(_title(data["environment"], "Context parallelism on 2 GPUs, forward + "
-                                                "backward (B1 H16 D128 bf16), higher is better"))
+    axis.axhline(devices, color="black", linewidth=0.8, linestyle="--")
+    figure.suptitle(_title(data["environment"], f"Context parallelism on {devices} GPUs, "
+                           "forward + backward (B1 H16 D128 bf16), higher is better"))
+
+
+def auto_speedups(rows: list[dict]) -> dict[tuple[int, str], dict[int, float]]:
+    """{(length, mask): {devices: speed-up over one GPU of what strategy="auto" runs, in the
+    faster layout}}."""
+    scaling: dict[tuple[int, str], dict[int, float]] = {}
+    for row in rows:
+        if "auto_runs" not in row:
+            continue
+        case = (row["length"], row["mask"])
+        speedup = _speedups([r for r in rows if r.get("devices") == row["devices"]], *case).get(
+            (row["auto_runs"], row["layout"]), math.nan)
+        known = scaling.setdefault(case, {}).get(row["devices"], -math.inf)
+        scaling[case][row["devices"]] = max(known, speedup)
+    return scaling
+
+
+def scaling_table(scaling: dict[tuple[int, str], dict[int, float]]) -> str:
+    counts = sorted({devices for by_count in scaling.values() for devices in by_count})
+    lines = ["| sequence, mask | " + " | ".join(f"{n} GPUs" for n in counts) + " |",
+             "|---" * (len(counts) + 1) + "|"]
+    for (length, mask), by_count in scaling.items():
+        lines.append(f"| {length // 1024}k, {mask} | " + " | ".join(
+            _ratio(by_count.get(n)) for n in counts) + " |")
+    return "\n".join(lines)
+
+
+def scaling_plot(scaling: dict[tuple[int, str], dict[int, float]], figure) -> None:
+    axis = figure.subplots()
+    counts = sorted({1, *(devices for by_count in scaling.values() for devices in by_count)})
+    for (length, mask), by_count in scaling.items():
+        shown = [1, *sorted(by_count)]
+        axis.plot(shown, [1.0, *(by_count[n] for n in shown[1:])], marker="o",
+                  label=f"{length // 1024}k {mask}")
+    axis.plot(counts, counts, color="black", linewidth=0.8, linestyle="--", label="linear")
+    axis.set_xticks(counts)
+    axis.set_xlabel("GPUs")
+    axis.set_ylabel("speed-up over one GPU")
+    axis.legend(fontsize=8)
+    figure.suptitle('Context parallelism, strategy="auto" in the faster layout, forward + '
+                    "backward (B1 H16 D128 bf16)")
 
 
 SUMMARIES: dict[str, tuple[Callable[[list], str], Callable]] = {
@@ -176,12 +220,13 @@ SUMMARIES: dict[str, tuple[Callable[[list], str], Callable]] = {
     "decode": (decode_table, decode_plot),
     "matmul": (matmul_table, matmul_plot),
     "context_parallel_2gpu": (context_parallel_table, context_parallel_plot),
+    "context_parallel_4gpu": (context_parallel_table, context_parallel_plot),
 }
 
 
 def summarize(results: pathlib.Path, plots: pathlib.Path | None) -> str:
     """The Markdown tables of every results file present; draws their plots into `plots`."""
-    sections = []
+    sections, context_parallel_rows = [], []
     for name, (table, plot) in SUMMARIES.items():
         path = results / f"{name}.json"
         if not path.exists():
@@ -191,17 +236,29 @@ def summarize(results: pathlib.Path, plots: pathlib.Path | None) -> str:
         sections.append(f"{name}.json: {environment['device']}, {environment['date']}, jax "
                         f"{environment['jax']}, torch {environment['torch']}, triton "
                         f"{environment['triton']}\n\n{table(data['rows'])}")
-        if plots is not None:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            from matplotlib.figure import Figure
-
-            figure = Figure(figsize=(11, 4.5), layout="constrained")
-            plot(data, figure)
-            plots.mkdir(parents=True, exist_ok=True)
-            figure.savefig(plots / f"{name}.png", dpi=110)
+        if plot is context_parallel_plot:
+            context_parallel_rows += data["rows"]
+        _draw(plots, name, lambda figure: plot(data, figure))
+    scaling = auto_speedups(context_parallel_rows)
+    if scaling:
+        sections.append(f"strategy=\"auto\" over one GPU\n\n{scaling_table(scaling)}")
+        _draw(plots, "context_parallel_scaling", lambda figure: scaling_plot(scaling, figure))
     return "\n\n".join(sections)
+
+
+def _draw(plots: pathlib.Path | None, name: str, plot: Callable) -> None:
+    """plot(figure), saved as plots/name.png (nothing where plots is None)."""
+    if plots is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.5), layout="constrained")
+    plot(figure)
+    plots.mkdir(parents=True, exist_ok=True)
+    figure.savefig(plots / f"{name}.png", dpi=110)
 
 
 def main() -> None:

@@ -47,3 +47,29 @@ def test_plots_are_drawn_for_each_file_present(results, tmp_path):
     drawn = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert drawn == ["attention.png", "decode.png"]
     assert all((tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG" for name in drawn)
+
+
+def _context_parallel(devices, speedups, auto):
+    """Rows of bench_context_parallel for 32k causal: {(strategy, layout): speed-up}, and
+    {layout: what auto runs}."""
+    rows = [{"length": 32768, "mask": "causal", "devices": devices, "layout": layout,
+             "strategy": strategy, "ring_ms": 10.0 / speedup, "whole_one_device_ms": 10.0,
+             "speedup_vs_one_device": speedup}
+            for (strategy, layout), speedup in speedups.items()]
+    return rows + [{"length": 32768, "mask": "causal", "devices": devices, "layout": layout,
+                    "auto_runs": runs, "best": runs, "auto_over_best": 1.0}
+                   for layout, runs in auto.items()]
+
+
+def test_context_parallel_scaling_is_what_auto_runs_in_the_faster_layout(tmp_path):
+    for devices, speedups, auto in (
+            (2, {("ring", "zigzag"): 1.9, ("heads", "zigzag"): 1.8, ("heads", "contiguous"): 1.7},
+             {"zigzag": "ring", "contiguous": "heads"}),
+            (4, {("ring", "zigzag"): 3.1, ("heads", "zigzag"): 3.5, ("heads", "contiguous"): 3.6},
+             {"zigzag": "heads", "contiguous": "heads"})):
+        (tmp_path / f"context_parallel_{devices}gpu.json").write_text(json.dumps(
+            {"environment": ENVIRONMENT, "rows": _context_parallel(devices, speedups, auto)}))
+    text = summarize.summarize(tmp_path, plots=tmp_path / "plots")
+    assert "| 32k, causal | 1.90 | 3.60 |" in text
+    assert "| 32k, causal | 10.00 | — | 1.90 | — | — | 1.70 | 1.80 | heads (1.00× best) / ring" in text
+    assert (tmp_path / "plots" / "context_parallel_scaling.png").read_bytes()[:4] == b"\x89PNG"

@@ -129,20 +129,21 @@ def _causal_then_documents(b, h, q_idx, kv_idx):  # documents of 64 tokens from 
     return (q_idx >= kv_idx) & ((q_idx < 128) | (q_idx // 64 == kv_idx // 64))
 
 
-@pytest.mark.parametrize("heads, layout, mask, given_as, runs", [
-    (8, "contiguous", "causal", "block_mask", "heads"),  # the last device does 1.5x the mean
-    (8, "zigzag", "causal", "block_mask", "ring"),  # equal work
-    (8, "contiguous", "documents", "block_mask", "ring"),  # documents within the shards
-    (8, "contiguous", "skewed", "block_mask", "heads"),  # causal on one shard, documents on one
-    (8, "zigzag", "causal", "mask_mod", "heads"),  # the balance is not known
-    (8, "contiguous", None, None, "ring"),  # no mask: equal work
-    (4, "contiguous", "causal", "block_mask", "ring"),  # Hkv=2 does not divide by 4 devices
+@pytest.mark.parametrize("n, heads, layout, mask, given_as, runs", [
+    (4, 8, "contiguous", "causal", "block_mask", "heads"),  # the last device: 1.75x the mean
+    (2, 8, "zigzag", "causal", "block_mask", "ring"),  # equal work
+    (4, 8, "zigzag", "causal", "block_mask", "heads"),  # equal work, dense, four devices
+    (4, 8, "contiguous", "documents", "block_mask", "ring"),  # equal work, 1/8 of the blocks
+    (4, 8, "contiguous", "skewed", "block_mask", "heads"),  # causal on one shard, documents on one
+    (2, 8, "zigzag", "causal", "mask_mod", "heads"),  # the balance is not known
+    (2, 8, "contiguous", None, None, "ring"),  # no mask: equal work
+    (4, 8, "contiguous", None, None, "heads"),  # no mask: dense, four devices
+    (4, 4, "contiguous", "causal", "block_mask", "ring"),  # Hkv=2 does not divide by 4 devices
 ])
 def test_auto_runs_the_ring_where_work_is_balanced_and_the_heads_elsewhere(
-        heads, layout, mask, given_as, runs):
-    n = 4
+        n, heads, layout, mask, given_as, runs):
     mask_mod = {"causal": jattn.masks.causal_mask, "documents": jattn.masks.document_mask(
-        jnp.arange(L) // 64), "skewed": _causal_then_documents, None: None}[mask]
+        jnp.arange(L) // 32), "skewed": _causal_then_documents, None: None}[mask]
     whole_mask = (jattn.create_block_mask(mask_mod, None, None, L, L, block_size=16)
                   if given_as == "block_mask" else None)
 

@@ -111,6 +111,17 @@ def work_balance(block_mask: BlockMask | None, num_devices: int, layout: str) ->
     return float(work.max() / work.mean()) if work.sum() else 1.0
 
 
+def visited_share(block_mask: BlockMask | None) -> float | None:
+    """The share of the whole sequence's (query block, key block) pairs the mask visits, for
+    any batch row or head (1: no mask); None where the BlockMask's values are not known."""
+    if block_mask is None:
+        return 1.0
+    if not _values_known(block_mask):
+        return None
+    visited, _, _ = _visited_blocks(block_mask, 1, "contiguous")
+    return float(visited.mean())
+
+
 def ring_schedule(block_mask: BlockMask | None, num_devices: int, layout: str) -> RingSchedule:
     """Where some device's pair visits a block of `block_mask` (the whole sequence's, [Bm, Hm,
     L, L]): the steps, those where every device's does, and which key and query blocks;
