@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jattn._src import backends, guards, index_bounds
-from jattn._src.attention import pallas_triton_split_kv
-from jattn._src.attention.common import (canonical_scale, checked_mask_mod, checked_score_mod,
-                                         without_captures)
+from jattn._src.attention.common import canonical_scale
 from jattn._src.attention.sinks import checked_sinks, with_sinks
-from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, DecodeProblem, make_problem
 from jattn._src.attention.split_kv_config import DecodeConfig
-from jattn._src.decoding import xla
+from jattn._src.decoding import pallas_triton, xla
+from jattn._src.decoding.call import CacheDims, DecodeCall, bad_lengths
 from jattn._src.decoding.paged import PagedKVCache, concrete
 from jattn._src.masks.block_mask import BlockMask
 from jattn._src.masks.fitting import fitted
-from jattn._src.precision import applied as precision_applied
 from jattn._src.precision import canonical as canonical_precision
-from jattn._src.programs import ProgramCache
-from jattn._src.user_functions import CaptureSet
 
 _OP = "flex_decode"
 # The split-KV kernel runs a few queries per sequence; the XLA implementation (and longer query
-# blocks on any backend) runs flex_attention over the cache.
-backends.register_xla_and_kernels(_OP, xla, pallas_triton_split_kv, config_class=DecodeConfig)
+# blocks on any backend) runs flex_attention over the cache. Each module's `decode(call)`.
+backends.register_xla_and_kernels(_OP, xla, pallas_triton, config_class=DecodeConfig)
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -102,7 +95,7 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
         lengths = np.broadcast_to(known[0].astype(np.int32), (B,))
         page_size, num_pages = (None, None) if cache is None else (cache.page_size,
                                                                      cache.num_pages)
-        bad = _bad_lengths(np, lengths, S, page_size, num_pages, known[1])
+        bad = bad_lengths(np, lengths, S, page_size, num_pages, known[1])
         if bad.any():
             b = int(np.argmax(bad))
             raise ValueError(f"flex_decode: kv_len[{b}] = {int(lengths[b])} is outside [0, {S}] "
@@ -135,19 +128,6 @@ def _on_host(x) -> np.ndarray | None:
     return concrete(x)
 
 
-def _bad_lengths(xp, lengths, S: int, page_size: int | None, num_pages: int | None,
-                 table):
-    """[B] bool: lengths outside [0, S] or reaching a page that is unassigned or outside the
-    pool (a paged cache: page_size, num_pages and its table); xp: numpy for values on the
-    host, jax.numpy in a program."""
-    bad = (lengths < 0) | (lengths > S)
-    if table is not None:
-        needed = xp.arange(table.shape[1]) < ((lengths + page_size - 1) // page_size)[:, None]
-        outside = (table < 0) | (table >= num_pages)
-        bad = bad | (needed & outside).any(axis=1)
-    return bad
-
-
 def _check_block_mask(block_mask, B: int, Hq: int, S: int) -> None:
     if not isinstance(block_mask, BlockMask):
         raise TypeError("flex_decode: `block_mask` must be a jattn.BlockMask, got "
@@ -161,61 +141,6 @@ def _check_block_mask(block_mask, B: int, Hq: int, S: int) -> None:
     if Bm not in (1, B) or Hm not in (1, Hq):
         raise ValueError(f"flex_decode: block_mask batch/heads ({Bm}, {Hm}) must be 1 or match "
                          f"q's ({B}, {Hq}).")
-
-
-# ------------------------------------------------------------------------------------------------
-# No gradients
-# ------------------------------------------------------------------------------------------------
-
-@jax.custom_vjp
-def _no_gradient(arrays):
-    return arrays
-
-
-def _no_gradient_fwd(arrays):
-    raise NotImplementedError(
-        "flex_decode has no gradient: it is an inference kernel. Differentiate "
-        "jattn.flex_attention instead (same q, k, v, score_mod and BlockMask; for decode-style "
-        "positions pass the query offset through score_mod/mask_mod).")
-
-
-_no_gradient.defvjp(_no_gradient_fwd, lambda _, cotangent: (cotangent,))
-
-
-# ------------------------------------------------------------------------------------------------
-# Kernel programs, one per problem
-# ------------------------------------------------------------------------------------------------
-
-_PROGRAMS: ProgramCache[Callable] = ProgramCache("flex_decode.programs")
-
-
-def _problem_key(p: DecodeProblem) -> tuple:
-    """Everything the kernels' program depends on: the problem's fields, its mods by what they
-    compute (not the arrays they captured)."""
-    fields = tuple(getattr(p, f.name) for f in dataclasses.fields(p) if f.name != "mods")
-    return fields + tuple(None if f is None else f.key for f in (p.mods.score, p.mods.mask))
-
-
-def _kernel_program(p: DecodeProblem, precision: str | None, check: bool) -> Callable:
-    """The jitted split-KV decode of p at `precision` (made once per problem key); with
-    `check`, it finds the bad sequences of kv_len (`bad_lengths`) itself."""
-    key = (_problem_key(p), precision, check)
-    program = _PROGRAMS.get(key)
-    if program is None:
-        stripped = dataclasses.replace(p, mods=without_captures(p.mods))
-
-        def run(q, k, v, kv_len, table, lists, score_caps, mask_caps):
-            bad = None
-            if check:
-                lengths = jnp.full((p.B,), p.S, jnp.int32) if kv_len is None else kv_len
-                bad = _bad_lengths(jnp, lengths, p.S, p.page_size, p.num_pages, table)
-            q, k, v, score_caps = _no_gradient((q, k, v, score_caps))
-            with precision_applied(precision):
-                return pallas_triton_split_kv.forward(stripped, q, k, v, kv_len, table, lists,
-                                                      score_caps, mask_caps, bad=bad)
-
-        program = _PROGRAMS.put(key, jax.jit(run))
-    return program
 
 
 # ------------------------------------------------------------------------------------------------
@@ -294,16 +219,10 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     if 0 in (B, Lq, dims.S):  # nothing to compute: empty, or no key to attend to
         out = jnp.zeros((B, Hq, Lq, dims.Ev), q.dtype)
         lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
-    elif not implementation.tunable or Lq > MAX_DECODE_QUERIES:  # no split-KV kernel
-        bad = None if checked else _bad_lengths(
-            jnp, jnp.asarray(kv_len), dims.S, dims.page_size, dims.num_pages,
-            None if cache is None else cache.page_table)
-        out, lse = _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale,
-                               implementation, precision)
     else:
-        out, lse = _kernel_decode(q, k, v, cache, score_mod, block_mask, dims,
-                                  None if static_length else kv_len, not checked, scale,
-                                  config, implementation, precision, state)
+        out, lse = implementation.module.decode(DecodeCall(
+            q, k, v, cache, score_mod, block_mask, dims, kv_len, static_length, checked, scale,
+            config, implementation, precision, state))
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
@@ -320,40 +239,12 @@ def _check_reads(score_mod, block_mask, state: guards.State, q_shape, S: int,
         dict(b=B, h=Hq, q_idx=_query_positions(host_lengths, Lq), kv_idx=S))
 
 
-def _kernel_decode(q, k, v, cache, score_mod, block_mask, dims: _Dims, kv_len, check, scale,
-                   config, implementation, precision, state: guards.State):
-    """(out, lse) of the split-KV kernels; kv_len None: every sequence is the whole cache.
-    The kernels clip the lengths and write NaN rows for bad sequences themselves (with
-    `check`): under jit each XLA op here would be a kernel launch of its own per call."""
-    table = None
-    if cache is not None:
-        k, v, table = cache.k_pages, cache.v_pages, cache.page_table
-    program, score_caps, mask_caps = _kernel_plan(
-        q, k, v, table, score_mod, block_mask, dims, kv_len is None, check, scale, config,
-        implementation, precision, state)
-    lists = [] if block_mask is None else block_mask.lists().major("kv")
-    return program(q, k, v, kv_len, table, lists, score_caps, mask_caps)
-
-
-class _Dims(NamedTuple):
-    """The cache's dimensions: heads, capacity, head dims, batch, and for a paged cache the
-    page size and pool size (None for a contiguous one)."""
-
-    Hkv: int
-    S: int
-    E: int
-    Ev: int
-    kv_batch: int
-    page_size: int | None
-    num_pages: int | None
-
-
-def _checked_dims(q, k, v, score_mod, block_mask, config) -> _Dims:
+def _checked_dims(q, k, v, score_mod, block_mask, config) -> CacheDims:
     """The call's checks (clear errors for bad arguments) and the cache's dimensions."""
     if q.ndim != 4:
         raise ValueError(f"flex_decode: `q` must be [batch, heads, queries, dim], got {q.shape}.")
     shapes, kv_dtype = _kv_shapes(q, k, v)
-    dims = _Dims(*shapes)
+    dims = CacheDims(*shapes)
     _check_heads_and_dtypes(q, dims.Hkv, dims.E, dims.Ev, kv_dtype)
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"flex_decode: `score_mod` must be callable, got {score_mod!r}.")
@@ -364,76 +255,3 @@ def _checked_dims(q, k, v, score_mod, block_mask, config) -> _Dims:
     return dims
 
 
-def _xla_decode(q, k, v, cache, score_mod, block_mask, kv_len, bad, scale, implementation,
-                precision):
-    """(out, lse) through flex_attention over the whole cache (decoding/xla.py)."""
-    B, Hq, Lq, _ = q.shape
-    S = cache.capacity if cache is not None else k.shape[2]
-    if score_mod is not None:
-        score_mod = checked_score_mod(score_mod, _OP, (B, Hq, Lq, S))
-    k_seq, v_seq = cache.to_contiguous() if cache is not None else (k, v)
-    if any(isinstance(x, jax.core.Tracer) for x in (q, k_seq, v_seq)):
-        q, k_seq, v_seq = _no_gradient((q, k_seq, v_seq))  # eager arrays have no gradient
-    kv_len = jnp.asarray(kv_len)  # (the mods index it with traced batch indices)
-    if bad is not None:  # lengths under jit: clipped, the bad rows made NaN below
-        kv_len = jnp.clip(kv_len, 0, S)
-    out, lse = xla.forward(q, k_seq, v_seq, score_mod, block_mask, kv_len - Lq, kv_len,
-                           scale=scale, implementation=implementation.name,
-                           precision=precision)
-    if bad is not None:
-        out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
-        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
-    return out, lse
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """A decode kernel call's program and where its mods' captured arrays come from."""
-
-    program: Callable
-    score_sources: tuple
-    mask_sources: tuple
-
-
-# Plans of eager calls, by the mods' guards record, shapes and options.
-_PLANS: ProgramCache[_Plan] = ProgramCache("flex_decode.plans")
-
-
-def _kernel_plan(q, k, v, table, score_mod, block_mask, dims: _Dims, static_length, check,
-                 scale, config, implementation, precision, state: guards.State):
-    """(program, score captures, mask captures) of a call on the split-KV kernel: an eager
-    call whose mods read what an earlier one's read reuses its plan; otherwise the mods are
-    traced at the kernel's tiles."""
-    B, Hq, Lq, _ = q.shape
-    eager = not any(isinstance(x, jax.core.Tracer) for x in (q, k, v, table))
-    key = None
-    if eager and state.record is not None:
-        key = (state.record, q.shape, q.dtype, dims, None if table is None else table.shape,
-               static_length, check, scale, config, implementation.name, precision,
-               None if block_mask is None else (
-                   block_mask.block_size, block_mask.kv_num_blocks.shape,
-                   block_mask.full_kv_num_blocks is None))
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return (plan.program, tuple(guards.fetch(plan.score_sources, state.arrays)),
-                    tuple(guards.fetch(plan.mask_sources, state.arrays)))
-    score_set, mask_set = CaptureSet(), CaptureSet()
-    mask_mod = None if block_mask is None else block_mask.mask_mod
-    problem = make_problem(
-        B=B, Hq=Hq, Hkv=dims.Hkv, Lq=Lq, S=dims.S, E=dims.E, Ev=dims.Ev,
-        kv_batch=dims.kv_batch, page_size=dims.page_size, num_pages=dims.num_pages,
-        block_mask=block_mask,
-        score_mod=None if score_mod is None else checked_score_mod(
-            score_mod, _OP, (B, Hq, Lq, dims.S)),
-        mask_mod=None if mask_mod is None else checked_mask_mod(mask_mod, _OP),
-        score_set=score_set, mask_set=mask_set, static_length=static_length,
-        queries_last=True, scale=scale, interpret=implementation.backend.interpret,
-        config=config)
-    program = _kernel_program(problem, precision, check)
-    score_caps, mask_caps = tuple(score_set.captures), tuple(mask_set.captures)
-    if key is not None:
-        sources = [guards.sources_of(list(caps), state.arrays) for caps in (score_caps,
-                                                                           mask_caps)]
-        if None not in sources:
-            _PLANS.put(key, _Plan(program, *sources))
-    return program, score_caps, mask_caps

@@ -1,4 +1,5 @@
-"""Flex decoding through flex_attention: the XLA path, and the path for long query blocks.
+"""Flex decoding through flex_attention: the XLA implementation's `decode`, and the path of
+query blocks too long for the split-KV kernel on any backend.
 
 Decoding differs from flex_attention only in where queries sit and which keys exist: query i of
 sequence b is at position q_start[b] + i, keys at kv_len[b] and beyond do not exist, and the
@@ -18,7 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src.attention.api import flex_attention
-from jattn._src.attention.common import checked_mask_mod
+from jattn._src.attention.common import checked_mask_mod, checked_score_mod
+from jattn._src.decoding.call import DecodeCall, bad_lengths, no_gradient
 from jattn._src.masks.block_mask import BlockMask
 
 # Block kinds in the int8 table a decode score_mod looks up (int8: Triton loads no bools).
@@ -76,3 +78,30 @@ def forward(q, k, v, score_mod, block_mask, q_start, kv_len, *, scale: float,
     return flex_attention(q, k, v, decode_score_mod(score_mod, block_mask, q_start, kv_len),
                           None, scale=scale, enable_gqa=True, return_lse=True,
                           implementation=implementation, precision=precision)
+
+
+def decode(call: DecodeCall):
+    """(out, lse) through flex_attention over the whole cache, on the call's implementation.
+    Lengths the host has not checked are clipped and the rows of bad sequences made NaN."""
+    q, cache, kv_len = call.q, call.cache, call.kv_len
+    B, Hq, Lq, _ = q.shape
+    S = call.dims.S
+    score_mod = call.score_mod
+    if score_mod is not None:
+        score_mod = checked_score_mod(score_mod, "flex_decode", (B, Hq, Lq, S))
+    k_seq, v_seq = cache.to_contiguous() if cache is not None else (call.k, call.v)
+    if any(isinstance(x, jax.core.Tracer) for x in (q, k_seq, v_seq)):
+        q, k_seq, v_seq = no_gradient((q, k_seq, v_seq))  # eager arrays have no gradient
+    kv_len = jnp.asarray(kv_len)  # (the mods index it with traced batch indices)
+    bad = None
+    if not call.checked:
+        bad = bad_lengths(jnp, kv_len, S, call.dims.page_size, call.dims.num_pages,
+                          None if cache is None else cache.page_table)
+        kv_len = jnp.clip(kv_len, 0, S)
+    out, lse = forward(q, k_seq, v_seq, score_mod, call.block_mask, kv_len - Lq, kv_len,
+                       scale=call.scale, implementation=call.implementation.name,
+                       precision=call.precision)
+    if bad is not None:
+        out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)
+        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+    return out, lse
