@@ -9,6 +9,7 @@ bridge calls them); jattn itself never imports torch.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from collections.abc import Sequence
@@ -134,6 +135,74 @@ def pallas_triton_internals():
     return types.SimpleNamespace(pallas_core=pallas_core, lowering=lowering,
                                  pallas_call_registration=pallas_call_registration,
                                  gpu_triton=gpu_triton, mlir=mlir, ir=ir)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX: vmap of jax.custom_derivatives.linear_call
+# ------------------------------------------------------------------------------------------------
+
+def linear_call_with_batching(fun, fun_transpose, residual_args, linear_args):
+    """jax.custom_derivatives.linear_call, also under vmap and differentiated in its residual
+    arguments. JAX has no batching rule for it: the one registered here batches the function
+    and its transpose alike, every linear argument and output at axis 0, so that the batched
+    call stays transposable. And JAX's JVP rule asserts that the residuals have no tangent:
+    where they have one (a second derivative through a transposed call), the rule registered
+    here differentiates the function as it is (its transpose then JAX's)."""
+    from jax._src.custom_derivatives import linear_call_p
+    from jax._src.interpreters import ad, batching
+
+    if linear_call_p not in batching.fancy_primitive_batchers:
+        batching.fancy_primitive_batchers[linear_call_p] = _batched_linear_call
+        ad.primitive_jvps[linear_call_p] = functools.partial(
+            _linear_call_jvp, ad.primitive_jvps[linear_call_p])
+    return jax.custom_derivatives.linear_call(fun, fun_transpose, residual_args, linear_args)
+
+
+def _linear_call_jvp(jax_rule, primals, tangents, *, callee, num_callee_consts, num_res,
+                     **params):
+    from jax._src import core
+    from jax._src.interpreters import ad
+
+    if all(type(t) is ad.Zero for t in tangents[:num_callee_consts + num_res]):
+        return jax_rule(primals, tangents, callee=callee, num_callee_consts=num_callee_consts,
+                        num_res=num_res, **params)
+    return jax.jvp(core.jaxpr_as_fun(callee), list(primals),
+                   [ad.instantiate_zeros(t) for t in tangents])
+
+
+def _batched_linear_call(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts,
+                         num_res):
+    from jax._src.custom_derivatives import linear_call_p
+    from jax._src.interpreters import batching
+    from jax._src.interpreters import partial_eval as pe
+
+    args = [batching.moveaxis(x, d, 0) if d not in (None, 0) else x
+            for x, d in zip(args, dims)]
+    n_fixed = num_callee_consts + num_res
+    fixed_batched = [d is not None for d in dims[:n_fixed]]
+    linear = [x if d is not None else batching.broadcast(
+        x, axis_data.size, 0, axis_data.explicit_mesh_axis)
+        for x, d in zip(args[n_fixed:], dims[n_fixed:])]
+    batched, _ = batching.batch_jaxpr(callee, axis_data,
+                                      fixed_batched + [True] * len(linear), True)
+    callee_consts = batched.consts
+    batched_callee = pe.close_jaxpr(pe.convert_constvars_jaxpr(batched.jaxpr))
+    res_batched = fixed_batched[num_callee_consts:]
+
+    @pe._memoize
+    def batched_transpose():
+        transpose, t_consts = transpose_thunk()
+        done, _ = batching.batch_jaxpr(
+            transpose, axis_data,
+            [False] * len(t_consts) + res_batched + [True] * len(callee.out_avals), True)
+        return (pe.close_jaxpr(pe.convert_constvars_jaxpr(done.jaxpr)),
+                [*done.consts, *t_consts])
+
+    outs = linear_call_p.bind(*callee_consts, *args[:n_fixed], *linear, callee=batched_callee,
+                              transpose_thunk=batched_transpose,
+                              num_callee_consts=len(callee_consts) + num_callee_consts,
+                              num_res=num_res)
+    return outs, [0] * len(outs)
 
 
 # ------------------------------------------------------------------------------------------------

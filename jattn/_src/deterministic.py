@@ -12,6 +12,7 @@ float32 sum of the same values and identical on every run and every platform.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,14 @@ def _fraction_bits(updates: int) -> int:
 
 def scatter_add(operand, indices, updates, **params):
     """lax.scatter_add(operand, indices, updates, **params) for float updates, summed exactly
-    in int64 (see the module docstring). A non-finite update makes the result NaN."""
+    in int64 (see the module docstring). A non-finite update makes the result NaN. Its
+    derivative is scatter-add's own (a second derivative through a captured array's
+    gradient), summed in floats."""
+    return _exact_scatter_add(tuple(params.items()), operand, indices, updates)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _exact_scatter_add(params, operand, indices, updates):
     finite = jnp.isfinite(updates)
     clean = jnp.where(finite, updates, 0).astype(jnp.float32)
     largest = jnp.max(jnp.abs(clean)) if clean.size else jnp.float32(0)
@@ -41,10 +49,20 @@ def scatter_add(operand, indices, updates, **params):
     unit_exponent = exponent - _fraction_bits(updates.size)
     with jax.enable_x64(True):
         fixed = jnp.round(clean * jnp.exp2(-unit_exponent)).astype(jnp.int64)
-        summed = lax.scatter_add(jnp.zeros(operand.shape, jnp.int64), indices, fixed, **params)
+        summed = lax.scatter_add(jnp.zeros(operand.shape, jnp.int64), indices, fixed,
+                                 **dict(params))
         total = summed.astype(jnp.float32) * jnp.exp2(unit_exponent).astype(jnp.float32)
     result = operand + total.astype(operand.dtype)
     return jnp.where(finite.all(), result, jnp.nan).astype(operand.dtype)
+
+
+@_exact_scatter_add.defjvp
+def _exact_scatter_add_jvp(params, primals, tangents):
+    operand, indices, updates = primals
+    d_operand, _, d_updates = tangents
+    return (_exact_scatter_add(params, operand, indices, updates),
+            lax.scatter_add(d_operand, indices, d_updates.astype(d_operand.dtype),
+                            **dict(params)))
 
 
 def _integer_scatter_add(primitive, operands, params, out_avals):

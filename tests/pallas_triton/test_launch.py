@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn._src.attention.api import flex_attention_backward
 from jattn._src.pallas_triton import launch
 from jattn._src import hardware
 
@@ -99,26 +100,24 @@ def test_a_program_with_more_than_its_kernels_needs_the_caller_to_evaluate_the_r
 
 
 def test_the_flex_backward_is_kernels_alone(pallas_traceable, kernels_found):
-    """The backward of a causal flex_attention (its BlockMask an argument, as in interop's
-    programs) is its kernels on the program's values, with an LSE cotangent and without one
-    (then no zeros are made for it)."""
+    """The backward of a causal flex_attention from its saved output and LSE (its BlockMask an
+    argument, as in interop's programs) is its kernels on the program's values, with an LSE
+    cotangent and without one (then no zeros are made for it)."""
     mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
     mask = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), mask)
-    qkv = [jax.ShapeDtypeStruct((1, 2, L, D), jnp.bfloat16)] * 4
+    qkv = [jax.ShapeDtypeStruct((1, 2, L, D), jnp.bfloat16)] * 5  # q, k, v, out, d_out
     lse = jax.ShapeDtypeStruct((1, 2, L), jnp.float32)
 
-    def backward(mask, q, k, v, d_out, *d_lse):
-        _, vjp = jax.vjp(lambda q, k, v: jattn.flex_attention(
-            q, k, v, block_mask=mask, implementation="pallas_triton", return_lse=bool(d_lse)),
-            q, k, v)
-        return vjp((d_out, *d_lse) if d_lse else d_out)
+    def backward(mask, q, k, v, out, lse, d_out, *d_lse):
+        return flex_attention_backward(q, k, v, out, lse, d_out, *(d_lse or [None]),
+                                       block_mask=mask, implementation="pallas_triton")[:3]
 
     for d_lse in ([lse], []):
         kernels_found.clear()
-        found = launch.kernel_program(backward, mask, *qkv, *d_lse)
-        assert [step.launch is not None for step in found.steps] == [True] * 4
-        assert kernels_found == ["jattn_flex_fwd", "jattn_flex_bwd_delta",
-                                 "jattn_flex_bwd_dq", "jattn_flex_bwd_dkdv"]
+        found = launch.kernel_program(backward, mask, *qkv[:4], lse, qkv[4], *d_lse)
+        assert [step.launch is not None for step in found.steps] == [True] * 3
+        assert kernels_found == ["jattn_flex_bwd_delta", "jattn_flex_bwd_dq",
+                                 "jattn_flex_bwd_dkdv"]
 
 
 def test_a_dense_calls_lists_are_constants_of_its_program(pallas_traceable, kernels_found):

@@ -1,4 +1,5 @@
-"""Public flex attention: validation, the backend's program (cached) and the custom_vjp."""
+"""Public flex attention: validation, the backend's program (cached) and its derivatives (a
+custom_jvp whose tangents transpose to the backward's kernels)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
+from jax.custom_derivatives import SymbolicZero
 
-from jattn._src import backends, guards, hardware, index_bounds, precision
+from jattn._src import backends, compat, guards, hardware, index_bounds, precision
 from jattn._src.attention import pallas_mosaic_gpu, pallas_triton, xla
 from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_mod,
                                          checked_score_mod, returns_its_score, trace_mods,
@@ -126,7 +127,7 @@ backends.register(backends.Implementation(
 
 
 # ------------------------------------------------------------------------------------------------
-# custom_vjp around the implementations
+# Differentiation: a custom_jvp whose tangents transpose to the backward's kernels
 # ------------------------------------------------------------------------------------------------
 
 class Residuals(NamedTuple):
@@ -144,42 +145,84 @@ class Residuals(NamedTuple):
     differentiated: tuple[bool, ...]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flex(p: Problem, q, k, v, lists, score_caps, mask_caps):
+def _forward(p: Problem, q, k, v, lists, score_caps, mask_caps):
     with precision.applied(p.precision):
         return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
 
 
-def _flex_fwd(p: Problem, q, k, v, lists, score_caps, mask_caps):
-    # symbolic_zeros: each argument leaf arrives as CustomVJPPrimal(value, perturbed).
-    differentiated = tuple(c.perturbed for c in score_caps)
-    q, k, v, lists, score_caps, mask_caps = custom_vjp_primal_tree_values(
-        (q, k, v, lists, score_caps, mask_caps))
-    with precision.applied(p.precision):
-        outputs = p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
-    out, lse = outputs[:2]  # (then, with p.max_scores, the rows' largest scores: no gradient)
-    return outputs, Residuals(q, k, v, lists, score_caps, mask_caps, out, lse, differentiated)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _flex(p: Problem, q, k, v, lists, score_caps, mask_caps):
+    return _forward(p, q, k, v, lists, score_caps, mask_caps)
 
 
-def _dense_zeros(cotangent):
-    if isinstance(cotangent, SymbolicZero):
-        return jnp.zeros(cotangent.shape, cotangent.dtype)
-    return cotangent
+def _flex_jvp(p: Problem, primals, tangents):
+    """The forward's kernels give the outputs; their tangents are a linear function of the
+    inputs' (`_tangents`: the XLA forward's JVP) whose transpose is the backward's kernels
+    (`_transposed`), so jax.grad runs exactly the forward and backward kernels while jax.jvp
+    and jax.jacfwd run the JVP. symbolic_zeros: inputs nobody differentiates (and captured
+    arrays that are not floating point) are left out of both."""
+    q, k, v, lists, score_caps, mask_caps = primals
+    dq, dk, dv, _, d_caps, _ = tangents
+    outputs = _forward(p, *primals)
+    differentiated = tuple(not isinstance(t, SymbolicZero) and jnp.issubdtype(
+        jnp.result_type(c), jnp.floating) for t, c in zip(d_caps, score_caps))
+    linear = (*(None if isinstance(t, SymbolicZero) else t for t in (dq, dk, dv)),
+              tuple(t if wanted else None for t, wanted in zip(d_caps, differentiated)))
+    residuals = (q, k, v, lists, tuple(score_caps), tuple(mask_caps), *outputs[:2])
+    moving = tuple(t is not None for t in linear[:3])
+    tangents_out = compat.linear_call_with_batching(
+        functools.partial(_tangents, p),
+        functools.partial(_transposed, p, moving, differentiated), residuals, linear)
+    return outputs, tangents_out
 
 
-def _flex_bwd(p: Problem, res: Residuals, cotangents):
-    # an LSE nobody differentiates (the usual case) costs the backward nothing: None
-    d_out, d_lse = _dense_zeros(cotangents[0]), cotangents[1]
-    d_lse = None if d_lse is None or isinstance(d_lse, SymbolicZero) else d_lse.astype(
-        res.lse.dtype)
+_flex.defjvp(_flex_jvp, symbolic_zeros=True)
+
+
+def _tangents(p: Problem, residuals, linear):
+    """The outputs' tangents from the inputs' (None: not differentiated): the JVP of the XLA
+    forward (a scan over key blocks). The rows' largest scores have none, as in the
+    backward."""
+    q, k, v, lists, score_caps, mask_caps, *_ = residuals
+    d_caps = linear[3]
+    moving = [i for i, t in enumerate(linear[:3]) if t is not None]
+    learnable = [i for i, t in enumerate(d_caps) if t is not None]
+
+    def forward(operands, captures):
+        qkv, caps = [q, k, v], list(score_caps)
+        for i, x in zip(moving, operands):
+            qkv[i] = x
+        for i, x in zip(learnable, captures):
+            caps[i] = x
+        with precision.applied(p.precision):
+            return xla.forward(p, *qkv, lists, caps, mask_caps)
+
+    primals = ([(q, k, v)[i] for i in moving], [score_caps[i] for i in learnable])
+    _, tangents = jax.jvp(forward, primals,
+                          ([linear[i] for i in moving], [d_caps[i] for i in learnable]))
+    return (*tangents[:2], *(jnp.zeros_like(t) for t in tangents[2:]))
+
+
+def _transposed(p: Problem, moving, differentiated, residuals, cotangents):
+    """The transpose of `_tangents`: the backward's kernels on the outputs' cotangents, for the
+    inputs `_tangents` took (moving: q, k, v each; differentiated: the score_mod's captured
+    arrays)."""
+    q, k, v, lists, score_caps, mask_caps, out, lse = residuals
+    res = Residuals(q, k, v, lists, score_caps, mask_caps, out, lse, differentiated)
+    dq, dk, dv, d_caps = _backward(p, res, cotangents[0], cotangents[1])
+    return (*(d if wanted else None for d, wanted in zip((dq, dk, dv), moving)),
+            tuple(d if wanted else None for d, wanted in zip(d_caps, differentiated)))
+
+
+def _backward(p: Problem, res: Residuals, d_out, d_lse):
+    """(dq, dk, dv, the captured arrays' gradients) of the saved residuals; d_lse None: the
+    LSE's cotangent is zero (no work is spent on it)."""
+    d_lse = None if d_lse is None else d_lse.astype(res.lse.dtype)
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
         dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out, d_lse)
     dq, dk, dv = (summed_to_vary_like(d, x) for d, x in ((dq, res.q), (dk, res.k), (dv, res.v)))
     d_caps = [summed_to_vary_like(d, c) for d, c in zip(d_caps, res.score_captures)]
-    return dq, dk, dv, None, tuple(d_caps), None
-
-
-_flex.defvjp(_flex_fwd, _flex_bwd, symbolic_zeros=True)
+    return dq, dk, dv, d_caps
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,7 +246,7 @@ class _Program:
                                    for c, w in zip(score_caps, wanted))
             res = Residuals(q, k, v, lists, tuple(score_caps), tuple(mask_caps), out, lse,
                             differentiated)
-            return _flex_bwd(problem, res, (d_out, d_lse))
+            return _backward(problem, res, d_out, d_lse)
 
         return cls(problem, jax.jit(functools.partial(_flex, problem)),
                    jax.jit(backward, static_argnums=10))
@@ -334,8 +377,8 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
         (score_captures, mask_captures))
     if differentiated is not None:
         differentiated = tuple(map(bool, differentiated))
-    dq, dk, dv, _, d_score_caps, _ = program.backward(q, k, v, lists, score_caps, mask_caps,
-                                                      out, lse, d_out, d_lse, differentiated)
+    dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps, mask_caps,
+                                                out, lse, d_out, d_lse, differentiated)
     return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 

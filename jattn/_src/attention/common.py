@@ -33,7 +33,7 @@ class Mods:
     mask: TracedFunction | None = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a custom_vjp static option
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a custom_jvp static option
 class Problem:
     """Static description of one flex_attention call.
 

@@ -182,7 +182,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
 
 
 def backward(p: Problem, res, d_out, d_lse):
-    """(dq, dk, dv, d_score_captures) of the custom_vjp's residuals `res` (attention.api)."""
+    """(dq, dk, dv, d_score_captures) of the residuals `res` (attention.api)."""
     if p.mosaic_backward is None:
         return pallas_triton.backward(p, res, d_out, d_lse)
     # Imported here, as in `forward`.

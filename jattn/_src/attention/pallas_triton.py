@@ -54,7 +54,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
 
 
 def backward(p: Problem, res, d_out, d_lse):
-    """(dq, dk, dv, d_score_captures) of the custom_vjp's residuals `res` (attention.api)."""
+    """(dq, dk, dv, d_score_captures) of the residuals `res` (attention.api)."""
     dq, dk, dv = pallas_triton_bwd.backward(p, res.q, res.k, res.v, res.lists,
                                             res.score_captures, res.mask_captures, res.out,
                                             res.lse, d_out, d_lse)
