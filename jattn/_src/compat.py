@@ -138,7 +138,7 @@ def pallas_triton_internals():
 
 
 # ------------------------------------------------------------------------------------------------
-# JAX: vmap of jax.custom_derivatives.linear_call
+# JAX: jax.custom_derivatives.linear_call under vmap and second derivatives
 # ------------------------------------------------------------------------------------------------
 
 def linear_call_with_batching(fun, fun_transpose, residual_args, linear_args):
