@@ -120,7 +120,7 @@ def test_repeated_runs_are_bitwise_equal_and_vmap_matches():
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
-def test_grad_raises_a_clear_error(impl):
+def test_grad_and_jvp_raise_a_clear_error(impl):
     rng = np.random.default_rng(6)
     q, k, v = inputs(rng, 1, 2, 2, 1, 32, 16)
 
@@ -129,6 +129,8 @@ def test_grad_raises_a_clear_error(impl):
 
     with pytest.raises(NotImplementedError, match="flex_decode has no gradient"):
         jax.grad(loss)(q)
+    with pytest.raises(NotImplementedError, match="nor forward-mode derivative"):
+        jax.jvp(loss, (q,), (q,))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -77,17 +77,16 @@ def bad_lengths(xp, lengths, S: int, page_size: int | None, num_pages: int | Non
     return bad
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def no_gradient(arrays):
-    """arrays, refusing to be differentiated (flex_decode is an inference kernel)."""
+    """arrays, refusing to be differentiated in either mode (flex_decode is an inference
+    kernel)."""
     return arrays
 
 
-def _no_gradient_fwd(arrays):
+@no_gradient.defjvp
+def _no_gradient_jvp(primals, tangents):
     raise NotImplementedError(
-        "flex_decode has no gradient: it is an inference kernel. Differentiate "
-        "jattn.flex_attention instead (same q, k, v, score_mod and BlockMask; for decode-style "
-        "positions pass the query offset through score_mod/mask_mod).")
-
-
-no_gradient.defvjp(_no_gradient_fwd, lambda _, cotangent: (cotangent,))
+        "flex_decode has no gradient (nor forward-mode derivative): it is an inference kernel. "
+        "Differentiate jattn.flex_attention instead (same q, k, v, score_mod and BlockMask; "
+        "for decode-style positions pass the query offset through score_mod/mask_mod).")

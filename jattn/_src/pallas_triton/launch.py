@@ -1,13 +1,13 @@
 """A JAX program made of Pallas kernels, launched without JAX on buffers and a stream the
 caller owns.
 
-Where a program's computation is pallas_calls (custom_vjp and jit wrappers aside) whose kernels
-the `triton` package compiles (`compiler="triton"`, see `pallas_triton.compile`), and between
-them only equations the caller can evaluate itself (a backward's elementwise prologue, say),
-the compiled kernels JAX launches through XLA can be launched by Triton's own launcher instead:
-no JAX dispatch, no buffers to import or export, no stream to synchronise. interop's eager
-torch ops use this; a kernel costs a few microseconds of host time against JAX's 40-70 per
-call (benchmarks/HISTORY.md).
+Where a program's computation is pallas_calls (custom_jvp, custom_vjp and jit wrappers aside)
+whose kernels the `triton` package compiles (`compiler="triton"`, see `pallas_triton.compile`),
+and between them only equations the caller can evaluate itself (a backward's elementwise
+prologue, say), the compiled kernels JAX launches through XLA can be launched by Triton's own
+launcher instead: no JAX dispatch, no buffers to import or export, no stream to synchronise.
+interop's eager torch ops use this; a kernel costs a few microseconds of host time against JAX's
+40-70 per call (benchmarks/HISTORY.md).
 """
 
 from __future__ import annotations
