@@ -46,6 +46,8 @@ DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
 # seven, but the additions' order, and so the rounding, varies between runs). H100: 1.14x the
 # two kernels at head dim 64, 0.72x at 128 (benchmarks/RESULTS.md).
 REDUCE_ADD_DQ = False
+# Registers per thread of the consumer warpgroups and of the producer (the 64K of an SM).
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 def _dkdv_stages(p: Problem, reduce_dq: bool) -> int:
@@ -126,7 +128,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q0 = row * block_q + wg * ROWS
             here = (b, h, pl.ds(q0, ROWS))
             plgpu.copy_gmem_to_smem(q_ref.at[here], q_smem.at[wg], q_ready.at[wg])
@@ -173,7 +175,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             stream(steps, 0, key_blocks(p, lists, b, h, owner, partial, bkv), (k_ref, v_ref),
                    (k_smem, v_smem), (k_ready, v_ready), (k_free, v_free))
 
@@ -227,7 +229,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             kv0 = col * bkv + wg * KEYS
             here = (b, hkv, pl.ds(kv0, KEYS))
             plgpu.copy_gmem_to_smem(k_ref.at[here], k_smem.at[wg], kv_ready.at[wg])
@@ -248,15 +250,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                         def products(s_acc, dp_acc):
                             plgpu.barrier_wait(ready.at[slot])
                             plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
-                            plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
-                            lse2 = load_vector(lse_smem.at[slot], COLUMN)
-                            delta = load_vector(delta_smem.at[slot], COLUMN)
-                            # Pᵀ while dPᵀ is computed, then dSᵀ while dV is.
+                            # Sᵀ, then Pᵀ, before dPᵀ starts: with dK and dV held, the two
+                            # [64, 64] accumulators live at once spill registers (ptxas, head
+                            # dim 128); the other consumer's products fill the tensor cores.
                             prob, raw, keep = tile.probabilities(
-                                plgpu.wgmma_accumulator_load(s_acc, wait_n=1), lse2)
+                                plgpu.wgmma_accumulator_load(s_acc, wait_n=0),
+                                load_vector(lse_smem.at[slot], COLUMN))
+                            plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
                             plgpu.wgmma(dv_acc, prob.astype(dtype), do_tile)
+                            # dSᵀ while dV is computed.
                             dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
-                            return tile.score_gradient(prob, raw, keep, dp, delta)
+                            return tile.score_gradient(prob, raw, keep, dp, load_vector(
+                                delta_smem.at[slot], COLUMN))
 
                         shape = plgpu.ACC((KEYS, QUERIES), jnp.float32)
                         ds = pl.run_scoped(products, shape, shape).astype(dtype)
@@ -304,7 +309,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def head(g, done):
                 h, owner, partial, steps = head_walk(g)
