@@ -462,6 +462,24 @@ CASES = {
 @gpu
 @pytest.mark.parametrize("name", CASES)
 def test_output_lse_and_gradients_match_a_float64_golden(name):
+    _check_case(name)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["full bf16 d128", "causal fp16 d64 gqa", "window softcap",
+                                  "documents head bias"])
+def test_dq_reduce_added_by_the_dkdv_kernel_matches_the_golden(monkeypatch, request, name):
+    """The REDUCE_ADD_DQ experiment: dQ split over the consumers by head dims at 128, by keys
+    at 64."""
+    from jattn._src.attention import pallas_mosaic_gpu_bwd
+
+    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_DQ", True)
+    jattn.clear_caches()  # programs planned under the other setting
+    request.addfinalizer(jattn.clear_caches)
+    _check_case(name)
+
+
+def _check_case(name):
     B, Hq, Hkv, L, E, dtype, score_mod, mask_mod = CASES[name]
     q, k, v = _inputs(B, Hq, Hkv, L, E, dtype)
     # Per batch row: some masks differ between rows (document ids of each).
@@ -529,22 +547,24 @@ def test_captured_arrays_are_read_at_each_call():
         check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)
 
 
-@pytest.mark.parametrize("kv_batch, score_mod, reduce_add_dq, mosaic_kernels", [
-    (2, None, False, 3),
-    (2, jattn.mods.alibi(_SLOPES), False, 3),  # its gradient reads the slopes too
-    (2, jattn.mods.alibi(_SLOPES), True, 2),  # dQ reduce-added by the dK/dV kernel
-    (1, None, False, 1),  # a broadcast k/v batch: pallas_triton's backward, fp32 per batch
+@pytest.mark.parametrize("kv_batch, score_mod, reduce_add_dq, mosaic_kernels, E", [
+    (2, None, False, 3, 128),
+    (2, jattn.mods.alibi(_SLOPES), False, 3, 128),  # its gradient reads the slopes too
+    # dQ reduce-added by the dK/dV kernel: split by head dims at 128, by keys at 64
+    (2, jattn.mods.alibi(_SLOPES), True, 2, 128),
+    (2, None, True, 2, 64),
+    (1, None, False, 1, 128),  # a broadcast k/v batch: pallas_triton's backward, fp32 per batch
 ])
 def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, monkeypatch,
                                                              request, kv_batch, score_mod,
-                                                             reduce_add_dq, mosaic_kernels):
+                                                             reduce_add_dq, mosaic_kernels, E):
     pytest.importorskip("absl")
     from jattn._src.attention import pallas_mosaic_gpu_bwd
 
     monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_DQ", reduce_add_dq)
     jattn.clear_caches()  # programs planned under the other setting
     request.addfinalizer(jattn.clear_caches)
-    B, Hq, L, E = 2, 4, 512, 128
+    B, Hq, L = 2, 4, 512
     block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
 
     def gradients(q, k, v):

@@ -29,7 +29,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, BlockLists,
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, SWIZZLE, BlockLists,
                                                            heaviest_first, key_blocks,
                                                            load_vector, operand_transforms,
                                                            stream, tile_of)
@@ -41,19 +41,22 @@ KEYS = 64  # keys per consumer warpgroup in the dK/dV kernel
 QUERIES = 64  # queries per dK/dV step: half a BlockMask block
 DQ_STAGES = {64: 3, 128: 2}  # K/V slots of the dQ kernel by head dim (shared memory)
 DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
-# An experiment not offered through the API: dQ from the dK/dV kernel, each step's part
-# reduce-added by TMA into a float32 accumulator (five products where the two kernels run
-# seven, but the additions' order, and so the rounding, varies between runs). H100: 1.14x the
-# two kernels at head dim 64, 0.72x at 128 (benchmarks/RESULTS.md).
+# An experiment not offered through the API: dQ from the dK/dV kernel (five products where the
+# two kernels run seven, but the reduce-adds' order, and so the rounding, varies between
+# runs). Each step, each consumer stages dSᵀ in shared memory, multiplies the step's dS by K and
+# reduce-adds that part by TMA into a float32 accumulator. At head dim 128 the two consumers
+# split the product by head dims, each over all 128 keys (FlashAttention-3's split: a [64, 64]
+# accumulator beside dK and dV's, where its own 64 keys would need [64, 128]); at 64 each takes
+# its own keys (half of 64 head dims is narrower than a shared-memory tile).
 REDUCE_ADD_DQ = False
 # Registers per thread of the consumer warpgroups and of the producer (the 64K of an SM).
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
-def _dkdv_stages(p: Problem, reduce_dq: bool) -> int:
-    # dQ's staging buffers (16 KiB of dS and 64 KiB of float32 dQ at head dim 128) leave room
-    # for two Q/dO slots at head dim 128.
-    return 2 if reduce_dq and p.E > 64 else DKDV_STAGES
+# Float32 staging in shared memory, swizzled as the 16-bit operand tiles are (a row of 32
+# float32 is the swizzle's 128 bytes): the register tile's stores avoid bank conflicts.
+_FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE))
+SWIZZLE_ELEMENTS = SWIZZLE // 2  # columns of a 16-bit operand tile in shared memory
 
 
 def _split(refs, n_lists: int, n_captures: tuple[int, int], n_out: int):
@@ -200,11 +203,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
                  has_full: bool, n_captures, fns, dtype, reduce_dq: bool):
     # With reduce_dq, the inputs end with dq_accum [B, Hq, L, E] float32, which each step's
-    # dQ part (dS·K over the consumer's 64 keys) is added into by a TMA reduce-add.
+    # dQ part is added into by a TMA reduce-add (REDUCE_ADD_DQ says which part).
     list_refs, order_ref, score_refs, mask_refs, outs = _split(
         refs, 4 if has_full else 2, n_captures, 3 if reduce_dq else 2)
     dq_accum_ref, dk_ref, dv_ref = outs if reduce_dq else (None, *outs)
-    stages = _dkdv_stages(p, reduce_dq)
+    stages = DKDV_STAGES
+    split = p.E // CONSUMERS % SWIZZLE_ELEMENTS == 0  # dQ split by head dims (else by keys)
+    dq_dims = p.E // CONSUMERS if split else p.E  # head dims of a consumer's dQ part
     block_q, bkv = BLOCK
     halves = block_q // QUERIES
     lists = BlockLists(p, list_refs, has_full)
@@ -224,7 +229,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
             step, halves) * QUERIES
 
     def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-             kv_ready, ready, free):
+             ds_ready, ds_read, kv_ready, ready, free):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
@@ -270,14 +275,30 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                             plgpu.wgmma_wait(0)
                             plgpu.barrier_arrive(free.at[slot])
                             return
+                        if split:
+                            # The other consumer's dQ product has read the last step's dSᵀ.
+                            @pl.when(done + step > 0)
+                            def _():
+                                plgpu.barrier_wait(ds_read)
+
                         ds_smem.at[wg][...] = ds
                         plgpu.commit_smem()
+                        if split:
+                            plgpu.barrier_arrive(ds_ready)
+                            plgpu.barrier_wait(ds_ready)
 
                         def dq_part(dq_acc):
-                            plgpu.wgmma(dq_acc, ds_smem.at[wg].T, k_smem.at[wg])
+                            if split:
+                                for w in range(CONSUMERS):
+                                    plgpu.wgmma(dq_acc, ds_smem.at[w].T,
+                                                k_smem.at[w, :, pl.ds(wg * dq_dims, dq_dims)])
+                            else:
+                                plgpu.wgmma(dq_acc, ds_smem.at[wg].T, k_smem.at[wg])
                             return plgpu.wgmma_accumulator_load(dq_acc, wait_n=0)
 
-                        dq = pl.run_scoped(dq_part, plgpu.ACC((QUERIES, p.E), jnp.float32))
+                        dq = pl.run_scoped(dq_part, plgpu.ACC((QUERIES, dq_dims), jnp.float32))
+                        if split:
+                            plgpu.barrier_arrive(ds_read)
                         plgpu.barrier_arrive(free.at[slot])
                         # The last step's reduce-add has read the staging buffer.
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -286,7 +307,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                         plgpu.copy_smem_to_gmem(
                             dq_smem.at[wg],
                             dq_accum_ref.at[b, h, pl.ds(query_start(owner, partial, step),
-                                                        QUERIES)],
+                                                        QUERIES),
+                                                 pl.ds(wg * dq_dims if split else 0, dq_dims)],
                             reduction_op="add")
 
                     pl.loop(0, partial * halves)(functools.partial(visit, apply_mask=True))
@@ -295,7 +317,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                             functools.partial(visit, apply_mask=False))
                     return done + steps * halves
 
-                lax.fori_loop(0, p.groups, head, jnp.int32(0))
+                total = lax.fori_loop(0, p.groups, head, jnp.int32(0))
+                if reduce_dq and split:
+                    # The other consumer's last dQ product has read this one's K.
+                    @pl.when(total > 0)
+                    def _():
+                        plgpu.barrier_wait(ds_read)
                 return dk_acc[...], dv_acc[...]
 
             dk, dv = pl.run_scoped(accumulate, plgpu.ACC((KEYS, p.E), jnp.float32),
@@ -323,11 +350,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
             lax.fori_loop(0, p.groups, head, jnp.int32(0))
 
     transforms = operand_transforms()
+    # dSᵀ of both consumers, their float32 dQ parts, and the barriers that say both have
+    # written dSᵀ and both have read it.
     staging = ((plgpu.SMEM((CONSUMERS, KEYS, QUERIES), dtype, transforms=transforms),
-                plgpu.SMEM((CONSUMERS, QUERIES, p.E), jnp.float32)) if reduce_dq else ())
+                plgpu.SMEM((CONSUMERS, QUERIES, dq_dims), jnp.float32,
+                           transforms=_FLOAT32_TRANSFORMS),
+                plgpu.Barrier(num_arrivals=CONSUMERS), plgpu.Barrier(num_arrivals=CONSUMERS))
+               if reduce_dq else ())
     pl.run_scoped(
         lambda buffers, staging, kv_ready, ready, free: body(
-            *buffers, *(staging or (None, None)), kv_ready, ready, free),
+            *buffers, *(staging or (None,) * 4), kv_ready, ready, free),
         (plgpu.SMEM((CONSUMERS, KEYS, p.E), dtype, transforms=transforms),
          plgpu.SMEM((CONSUMERS, KEYS, p.Ev), dtype, transforms=transforms),
          plgpu.SMEM((stages, QUERIES, p.E), dtype, transforms=transforms),
