@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import math
 import types
 from collections.abc import Callable, Sequence

@@ -1,6 +1,7 @@
 """jattn.flax_dot_product_attention as a Flax NNX MultiHeadAttention's attention_fn, against
 the same layer with Flax's own: outputs and random-cotangent parameter gradients, any number
-of batch axes, Flax's float 0/1 masks; what jattn does not do (dropout, sown weights) raises."""
+of batch axes, Flax's float 0/1 masks, dropout in training; what jattn does not do (sown
+weights) raises."""
 
 import jax
 import jax.numpy as jnp
@@ -59,11 +60,39 @@ def test_no_batch_axes_bias_dtype_and_evaluation_mode():
     np.testing.assert_allclose(out.astype(np.float32), expected.astype(np.float32), atol=3e-2)
 
 
+def test_dropout_applies_in_training_and_not_in_evaluation():
+    """A layer trained a step with dropout (Flax's broadcast_dropout: one mask for every batch
+    and head), then evaluated: deterministic=True is Flax's own attention."""
+    x = jax.random.normal(jax.random.key(4), (2, 24, 16))
+    layer = nnx.MultiHeadAttention(num_heads=4, in_features=16, qkv_features=32, decode=False,
+                                   dropout_rate=0.5, attention_fn=jattn.flax_dot_product_attention,
+                                   rngs=nnx.Rngs(0, dropout=1))
+    flax_layer = nnx.clone(layer)
+    flax_layer.attention_fn = nnx.dot_product_attention
+
+    def loss(model):
+        return jnp.sum(model(x, deterministic=False) ** 2)
+
+    first = layer(x, deterministic=False)
+    assert not np.allclose(first, layer(x, deterministic=False))  # a new key each call
+    grads = nnx.grad(loss)(layer)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(nnx.state(grads)))
+    np.testing.assert_allclose(layer(x, deterministic=True),
+                               flax_layer(x, deterministic=True), atol=2e-5, rtol=2e-5)
+    # the same key as a function: batches and heads share the mask with broadcast_dropout
+    q = jnp.broadcast_to(jax.random.normal(jax.random.key(5), (1, 16, 1, 8)), (2, 16, 3, 8))
+    out = jattn.flax_dot_product_attention(q, q, q, dropout_rate=0.5,
+                                           dropout_rng=jax.random.key(6))
+    np.testing.assert_allclose(out, jnp.broadcast_to(out[:1, :, :1], out.shape), rtol=1e-6)
+    own = jattn.flax_dot_product_attention(q, q, q, dropout_rate=0.5, broadcast_dropout=False,
+                                           dropout_rng=jax.random.key(6))
+    assert not np.allclose(own[0, :, 0], own[1, :, 1])
+
+
 def test_what_jattn_does_not_do_raises_naming_the_fix():
     x = jnp.ones((1, 16, 2, 8))
-    with pytest.raises(NotImplementedError, match="deterministic=True"):
-        jattn.flax_dot_product_attention(x, x, x, dropout_rate=0.1,
-                                         dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="needs a `dropout_rng`"):
+        jattn.flax_dot_product_attention(x, x, x, dropout_rate=0.1)
     with pytest.raises(NotImplementedError, match="sow_weights"):
         _layer(jattn.flax_dot_product_attention)(jnp.ones((1, 16, 16)), sow_weights=True)
     with pytest.raises(ValueError, match=r"`dropout_rate` must be in \[0, 1\)"):

@@ -55,3 +55,17 @@ def test_softcap_alibi_full_attention_lowers(as_if_on_gpu):
 
     args = [_spec(1, 16, 512, 64, dtype=jnp.float16)] * 3
     assert "jattn_flex_fwd" in lower_for_cuda(attention, *args)
+
+
+def test_dropout_lowers(as_if_on_gpu):
+    """The mask's int32 hash (wrapping products, logical shifts) and the seed's scalar reads,
+    forward and backward, the key an argument."""
+    def gradients(q, k, v, key):
+        def attention(q, k, v):
+            return jattn.flex_attention(q, k, v, jattn.mods.softcap(20.0),
+                                        implementation="pallas_triton", dropout_rate=0.1,
+                                        dropout_key=key)
+        return jax.vjp(attention, q, k, v)[1](jnp.ones((1, 4, 384, 64), jnp.bfloat16))
+
+    text = lower_for_cuda(gradients, *[_spec(1, 4, 384, 64)] * 3, jax.random.key(0))
+    assert all(f"jattn_flex_{name}" in text for name in ("fwd", "bwd_dq", "bwd_dkdv"))

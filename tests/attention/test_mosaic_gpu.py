@@ -42,6 +42,7 @@ def _facts(**changes):
     ({"value_dim": 64}, "equal q/k and v head dims"),
     ({"seq_lengths": (1000, 1024)}, "multiples of 128"),
     ({"block_size": (64, 64)}, r"\(128, 128\) blocks"),
+    ({"dropout": True}, "does not apply dropout"),
     ({"unreadable_capture": "mask_mod reads a captured int32[512] array through a gather"},
      r"by element .* or by position .* mask_mod reads a captured int32\[512\]"),
 ])

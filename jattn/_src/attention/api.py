@@ -19,6 +19,7 @@ from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_
                                          checked_score_mod, returns_its_score, trace_mods,
                                          without_captures)
 from jattn._src.attention.config import AttentionConfig, heuristic_config
+from jattn._src.attention.dropout import NO_DROPOUT, Dropout, checked_dropout, with_seed
 from jattn._src.attention.sinks import checked_sinks, with_sinks
 from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
 from jattn._src.masks.fitting import fitted
@@ -260,7 +261,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    scale: float | None = None, enable_gqa: bool = False,
                    return_lse: bool = False, config: AttentionConfig | None = None,
                    implementation: str | None = None, precision: str | None = None,
-                   sinks: jax.Array | None = None, return_max_scores: bool = False):
+                   sinks: jax.Array | None = None, return_max_scores: bool = False,
+                   dropout_rate: float = 0.0, dropout_key: jax.Array | None = None):
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
@@ -291,6 +293,12 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         among the keys it attends to; torch's AuxRequest(max_scores=True)), as for monitoring
         or clipping logits. Not differentiated. The pallas_mosaic_gpu forward does not keep
         it: such a call runs on pallas_triton.
+      dropout_rate, dropout_key: dropout of the attention weights (a Python float in [0, 1)
+        and a JAX PRNG key, which may be traced; split it anew each step): each weight is kept
+        with probability 1 - rate and scaled by 1 / (1 - rate), the same mask on every
+        implementation for a given key, regenerated in the backward (nothing of size L x S is
+        stored). The LSE is the softmax's, before dropout. The pallas_mosaic_gpu kernels do
+        not apply it: such a call runs on pallas_triton.
 
     Returns:
       out [B, Hq, L, Ev] of q's dtype; with return_lse also the float32 LSE [B, Hq, L] (float64
@@ -322,7 +330,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                           return_lse=return_lse or sinks is not None,
                                           config=config, implementation=implementation,
                                           precision=precision,
-                                          return_max_scores=return_max_scores)
+                                          return_max_scores=return_max_scores,
+                                          dropout=checked_dropout(_OP, dropout_rate,
+                                                                  dropout_key))
     if sinks is None:
         return result
     out, lse, *largest = result  # (the sinks are not keys: the largest scores stand)
@@ -334,7 +344,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  score_captures=(), mask_captures=(), scale=None,
                                  enable_gqa=False, return_lse=False, config=None,
-                                 implementation=None, precision=None, return_max_scores=False):
+                                 implementation=None, precision=None, return_max_scores=False,
+                                 dropout: Dropout = NO_DROPOUT):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does."""
     if not (isinstance(q, jax.Array) and isinstance(k, jax.Array) and isinstance(v, jax.Array)):
@@ -348,8 +359,10 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
     else:
         program, lists, score_caps, mask_caps = _prepare(
             q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-            (score_captures, mask_captures), max_scores=max_scores)
-        out, lse, *largest = program.forward(q, k, v, lists, score_caps, mask_caps)
+            (score_captures, mask_captures), max_scores=max_scores,
+            dropout_spec=(dropout.rate, dropout.shared))
+        out, lse, *largest = program.forward(q, k, v, lists, score_caps,
+                                             with_seed(mask_caps, dropout.seed))
         largest = largest[0] if largest else None
     extra = ((lse,) if return_lse else ()) + ((largest,) if max_scores else ())
     return (out, *extra) if extra else out
@@ -412,18 +425,20 @@ def _compute_dtype(dtype) -> Any:
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
-             precision_name, known_captures=((), ()), *, max_scores: bool = False):
+             precision_name, known_captures=((), ()), *, max_scores: bool = False,
+             dropout_spec: tuple[float, bool] = (0.0, False)):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
     arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
     replays that call's plan without tracing; otherwise `_traced_program`. known_captures:
     arrays the caller knows score_mod and mask_mod read, given the first slots. max_scores:
-    the program's forward also returns the rows' largest scores.
+    the program's forward also returns the rows' largest scores. dropout_spec: the program's
+    dropout (rate, shared); its forward then takes the seed after the mask_mod's captures.
     """
     scale, precision_name = _canonical_options(q, config, scale, precision_name)
     dense = block_mask is None
     state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
     key = _plan_key(q, k, v, state, known_captures, block_mask, scale, enable_gqa, config,
-                    implementation, precision_name, max_scores)
+                    implementation, precision_name, max_scores, dropout_spec)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
         return plan.replayed(block_mask, state)
@@ -431,7 +446,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         block_mask = _full_block_mask(q.shape[2], k.shape[2])
     program, score_caps, mask_caps = _traced_program(
         q, k, v, score_mod, block_mask, dense, scale, config, implementation, precision_name,
-        known_captures, max_scores)
+        known_captures, max_scores, dropout_spec)
     lists = block_mask.lists()
     if key is not None:
         _remember_plan(key, program, state, score_caps, mask_caps, lists if dense else None)
@@ -500,7 +515,7 @@ def _static_fields(block_mask: BlockMask) -> tuple:
 
 
 def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implementation,
-                    precision_name, known_captures, max_scores):
+                    precision_name, known_captures, max_scores, dropout_spec):
     """The slow path: (program, score captures, mask captures) of a call, its mods traced."""
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     if score_mod is not None and returns_its_score(score_mod, _compute_dtype(q.dtype)):
@@ -524,9 +539,10 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
         block_size=block_mask.block_size, score_mod=score_mod is not None,
         unreadable_capture=_unreadable_capture(score_mod, mask_mod, score_set, mask_set,
                                                mod_keys, (L, S)),
-        max_scores=max_scores)
+        max_scores=max_scores, dropout=dropout_spec[0] > 0)
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
-           dense, block_mask.block_size, block_mask.shape, lists.has_full, max_scores, *mod_keys)
+           dense, block_mask.block_size, block_mask.shape, lists.has_full, max_scores,
+           dropout_spec, *mod_keys)
     program = _PROGRAMS.get(key)
     if program is None:
         found = len(score_set.captures), len(mask_set.captures)
@@ -536,7 +552,8 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
                           precision=precision_name, implementation=implementation,
                           config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods,
                           dense=dense, compute_dtype=_compute_dtype(q.dtype),
-                          max_scores=max_scores)
+                          max_scores=max_scores, dropout=dropout_spec[0],
+                          dropout_shared=dropout_spec[1])
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, config=config)

@@ -64,6 +64,8 @@ class Problem:
     dense: bool = False  # no BlockMask was given: every query block attends to every kv block
     compute_dtype: Any = jnp.float32  # scores, softmax and LSE: float64 for float64 inputs
     max_scores: bool = False  # the forward also returns each row's largest score
+    dropout: float = 0.0  # the rate of dropout of the attention weights (attention.dropout)
+    dropout_shared: bool = False  # one dropout mask for every batch and head
     # The Mosaic GPU backward's mods (dQ tile, dK/dV tile) where it runs; None: pallas_triton's
     mosaic_backward: tuple[Mods, Mods] | None = None
     # Why the backward runs on pallas_triton's kernels behind another forward (`explain`)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jattn._src.attention.api import flex_attention
+from jattn._src.attention.api import flex_attention_with_captures
+from jattn._src.attention.dropout import checked_dropout
 from jattn._src.masks.create import create_block_mask
 
 _FN = "dot_product_attention"
@@ -23,7 +24,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                           key_value_seq_lengths=None,
                           local_window_size: int | tuple[int, int] | None = None,
                           implementation: str | None = None, return_residual: bool = False,
-                          block_size: int = 128, precision=None):
+                          block_size: int = 128, precision=None, dropout_rate: float = 0.0,
+                          dropout_key=None, broadcast_dropout: bool = False):
     """`jax.nn.dot_product_attention` computed by `jattn.flex_attention`.
 
     Args:
@@ -41,6 +43,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         "interpret"; None: jattn's choice), not jax's names.
       block_size: the BlockMask's block when a mask applies.
       precision: float32 products, as `jattn.flex_attention`'s (None: the caller's setting).
+      dropout_rate, dropout_key: dropout of the attention weights, as `jattn.flex_attention`'s
+        (an addition to jax.nn's signature); broadcast_dropout: one mask for every batch and
+        head (Flax's broadcast_dropout).
 
     Returns:
       [B, T, N, H] like query (with return_residual also the natural-log LSE [B, T, N]). One
@@ -100,10 +105,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                                        N if per_head else None, T, S, block_size=block_size)
     score_mod = None if bias is None else (
         lambda score, b, h, q_idx, kv_idx: score + _read(bias, b, h, q_idx, kv_idx))
-    out, lse = flex_attention(*(jnp.swapaxes(x, 1, 2) for x in (query, key, value)), score_mod,
-                              block_mask, scale=scale, enable_gqa=N != key.shape[2],
-                              return_lse=True, implementation=implementation,
-                              precision=precision)
+    dropout = checked_dropout(_FN, dropout_rate, dropout_key, shared=broadcast_dropout)
+    out, lse = flex_attention_with_captures(
+        *(jnp.swapaxes(x, 1, 2) for x in (query, key, value)), score_mod, block_mask,
+        scale=scale, enable_gqa=N != key.shape[2], return_lse=True,
+        implementation=implementation, precision=precision, dropout=dropout)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
     if not batched:
         out, lse = out[0], lse[0]

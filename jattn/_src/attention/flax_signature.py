@@ -29,8 +29,10 @@ def flax_dot_product_attention(query, key, value, bias=None, mask=None,
       bias, mask: broadcastable to [batch..., N, T, S]; a logit takes part where the mask is
         True or non-zero (Flax's masks are float 0/1 by default), as in Flax.
       broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's dropout of the
-        attention weights. jattn does not apply dropout yet: a call where Flax would (rate > 0
-        and not deterministic) raises; rate 0 or deterministic (evaluation) runs.
+        attention weights, applied where Flax applies it (rate > 0 and not deterministic) by
+        `jattn.flex_attention`'s dropout: the same rate, one mask for every batch and head
+        with broadcast_dropout, drawn from dropout_rng (not the mask Flax would draw from
+        it: jattn hashes positions, so the backward regenerates it).
       dtype, promote_dtype: the computation's dtype, as Flax promotes (default: query's, key's
         and value's common dtype).
       precision: float32 products (`jattn.flex_attention`'s precision; a jax.lax.Precision or
@@ -53,11 +55,10 @@ def flax_dot_product_attention(query, key, value, bias=None, mask=None,
     """
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"{_FN}: `dropout_rate` must be in [0, 1); got {dropout_rate}.")
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotImplementedError(
-            f"{_FN}: dropout of the attention weights (dropout_rate={dropout_rate}, "
-            "deterministic=False) is not supported by jattn yet; pass dropout_rate=0.0 to "
-            "MultiHeadAttention, or deterministic=True (model.eval()) where no dropout applies.")
+    dropping = dropout_rate > 0.0 and not deterministic
+    if dropping and dropout_rng is None:
+        raise ValueError(f"{_FN}: dropout_rate={dropout_rate} with deterministic=False needs a "
+                         "`dropout_rng` (MultiHeadAttention passes its rngs' dropout key).")
     if module is not None:
         raise NotImplementedError(
             f"{_FN}: jattn never forms the attention weights, so it cannot sow them "
@@ -84,7 +85,10 @@ def flax_dot_product_attention(query, key, value, bias=None, mask=None,
                 for name, x in (("bias", bias), ("mask", mask)))
     out = dot_product_attention(flat(query), flat(key), flat(value), *pairwise,
                                 is_causal=is_causal, implementation=implementation,
-                                precision=precision)
+                                precision=precision,
+                                dropout_rate=dropout_rate if dropping else 0.0,
+                                dropout_key=dropout_rng if dropping else None,
+                                broadcast_dropout=broadcast_dropout)
     return out.reshape(*batch, *out.shape[1:])
 
 

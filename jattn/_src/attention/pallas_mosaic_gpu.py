@@ -37,12 +37,14 @@ HEAD_DIMS = (64, 128)
 
 def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
                 block_size=None, unreadable_capture=None,
-                max_scores=False, **facts) -> str | None:
+                max_scores=False, dropout=False, **facts) -> str | None:
     """Why the Mosaic GPU forward cannot run a call (None when it can)."""
     if not hardware.is_hopper():
         return f"it needs a Hopper GPU (sm_90), not {hardware.device_kind()}."
     if max_scores:
         return "it does not return the rows' largest scores; pallas_triton's forward does."
+    if dropout:
+        return "it does not apply dropout to the attention weights; pallas_triton's kernels do."
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
         return f"it takes bfloat16 or float16 inputs, not {jnp.dtype(dtype)}."
     if head_dim is not None and (head_dim not in HEAD_DIMS or value_dim != head_dim):

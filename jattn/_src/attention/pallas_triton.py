@@ -34,7 +34,8 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
                                 ("dkdv", resolved.bwd_block_q, resolved.bwd_block_k,
                                  {"transposed": True}))}
     decode = None
-    if p.L <= MAX_DECODE_QUERIES and not p.max_scores:  # (the split-KV kernel keeps no max)
+    # (the split-KV kernel keeps no largest scores and applies no dropout)
+    if p.L <= MAX_DECODE_QUERIES and not p.max_scores and not p.dropout:
         decode = make_problem(
             B=p.B, Hq=p.Hq, Hkv=p.Hkv, Lq=p.L, S=p.S, E=p.E, Ev=p.Ev, kv_batch=p.kv_batch,
             page_size=None, num_pages=None, block_mask=None if p.dense else block_mask,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jattn._src.attention import dropout
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import LOG2_E
@@ -40,20 +41,27 @@ def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
 
 
 def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta,
-        dp):
-    """(P, dS' = gradient w.r.t. the raw scaled score) of one tile, either orientation (lse2
-    and delta shaped to broadcast along the query axis). s and raw may lack the deferred part
-    of the scale (`tiles.deferred_scale`), applied here inside one FFMA."""
+        dp, kept):
+    """(the weights, dS' = gradient w.r.t. the raw scaled score) of one tile, either
+    orientation (lse2 and delta shaped to broadcast along the query axis). The weights are P,
+    or with dropout (`kept`: its mask function, else None) P ∘ keep / (1 - rate). s and raw may
+    lack the deferred part of the scale (`tiles.deferred_scale`), applied here inside one
+    FFMA."""
     factor = tiles.deferred_scale(p, mods) * LOG2_E
     prob = tiles.exp2(p, s * factor - lse2)
     if keep is not None:
         prob = jnp.where(keep, prob, 0.0)
+    weights = prob
+    if kept is not None:  # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
+        keep_d, scale = kept(b, h, q_idx, kv_idx), dropout.weights_scale(p)
+        weights = jnp.where(keep_d, prob * scale, 0.0)
+        dp = jnp.where(keep_d, dp * scale, 0.0)
     ds = prob * (dp - delta)
     if mods.score_vjp is not None:
         ds = call_in_kernel(mods.score_vjp, score_refs, raw, b, h, q_idx, kv_idx, ds)[0]
     if keep is not None:
         ds = jnp.where(keep, ds, 0.0)
-    return prob, ds
+    return weights, ds
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,6 +111,8 @@ def delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
 def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, (dq_ref,) = (
         _split_refs(refs, n_lists, n_score, n_mask, 6))
+    mask_refs, seed_ref = dropout.split(p, mask_refs)
+    kept = tiles.dropout_mask(p, seed_ref)
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
     mask_bk = p.mask_block[1]
     b, h, mb, mh, q0, row = tiles.query_program(p, bq)
@@ -121,7 +131,7 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
         dp = lax.dot_general(do_tile, v_tile, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
         _, ds = _ds(p, p.bwd, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2[:, None],
-                    delta[:, None], dp)
+                    delta[:, None], dp, kept)
         return dq + jnp.dot(ds.astype(k_tile.dtype), k_tile, preferred_element_type=jnp.float32)
 
     dq = tiles.walk(lists, (mb, mh, row), bk, mask_bk, visit,
@@ -136,6 +146,8 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, outs = (
         _split_refs(refs, n_lists, n_score, n_mask, 6))
+    mask_refs, seed_ref = dropout.split(p, mask_refs)
+    kept = tiles.dropout_mask(p, seed_ref)
     dk_ref, dv_ref = outs
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
     mask_bq, mask_bk = p.mask_block
@@ -165,9 +177,9 @@ def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
                 deferred=tiles.deferred_scale(p, p.dkdv), transposed=True)
             dp = lax.dot_general(v_tile, do_tile, (((1,), (1,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-            prob, ds = _ds(p, p.dkdv, score_refs, raw, s, keep, b, h, q_idx, kv_idx,
-                           lse2[None, :], delta[None, :], dp)
-            dv = dv + jnp.dot(prob.astype(do_tile.dtype), do_tile,
+            weights, ds = _ds(p, p.dkdv, score_refs, raw, s, keep, b, h, q_idx, kv_idx,
+                              lse2[None, :], delta[None, :], dp, kept)
+            dv = dv + jnp.dot(weights.astype(do_tile.dtype), do_tile,
                               preferred_element_type=jnp.float32)
             dk = dk + jnp.dot(ds.astype(q_tile.dtype), q_tile, preferred_element_type=jnp.float32)
             return dk, dv

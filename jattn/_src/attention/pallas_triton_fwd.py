@@ -13,6 +13,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jattn._src.attention import dropout
 from jattn._src.attention import pallas_triton_tiles as tiles
 from jattn._src.attention.common import Problem
 from jattn._src.constants import LOG2_E, MASK_VALUE
@@ -28,6 +29,7 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     mask_refs = refs[3 + n_lists + n_score:3 + n_lists + n_score + n_mask]
     out_ref, lse_ref = refs[3 + n_lists + n_score + n_mask:][:2]
     max_ref = refs[-1] if p.max_scores else None
+    mask_refs, seed_ref = dropout.split(p, mask_refs)
     bq, bk = p.config.block_q, p.config.block_k
     mask_bk = p.mask_block[1]
 
@@ -37,18 +39,21 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
     deferred = tiles.deferred_scale(p, p.fwd)
     factor = deferred * LOG2_E  # scores -> base-2 logits
+    kept = tiles.dropout_mask(p, seed_ref)
 
     def visit(kv0, carry, apply_mask_mod):
         k_tile = tiles.load_tile(k_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.E, mask_bk)
-        _, s, keep, _, _ = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile, k_tile,
-                                             b, h, q0, kv0, apply_mask_mod, deferred=deferred)
+        _, s, keep, q_idx, kv_idx = tiles.tile_scores(p, p.fwd, score_refs, mask_refs, q_tile,
+                                                      k_tile, b, h, q0, kv0, apply_mask_mod,
+                                                      deferred=deferred)
         if keep is not None:
             # -inf, not a finite stand-in: the running max starts at the finite MASK_VALUE, so
             # masked scores give exp2(-inf) = 0 even in rows with nothing kept yet, and the
             # mask dies here rather than staying live (in predicate registers) past the exp2.
             s = jnp.where(keep, s, -jnp.inf)
         return tiles.softmax_step(p, carry, s, factor, lambda: tiles.load_tile(
-            v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk))
+            v_ref, (pl.ds(kv0, bk),), kv0, bk, p.S, p.Ev, mask_bk),
+            None if kept is None else kept(b, h, q_idx, kv_idx))
 
     # ---- partial blocks, then full blocks -------------------------------------------------------
     carry = (jnp.full((bq,), MASK_VALUE, jnp.float32), jnp.zeros((bq,), jnp.float32),
@@ -57,7 +62,9 @@ def _fwd_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
     # ---- normalise; rows that attend to nothing give 0 and LSE -inf ----------------------------
     l_safe = jnp.where(l_i == 0, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    # Kept weights are scaled by 1 / (1 - rate); the LSE stays the softmax's.
+    norm = l_safe * (1.0 - p.dropout) if p.dropout else l_safe
+    out = acc / norm[:, None]
     lse = jnp.where(l_i == 0, -jnp.inf, (m_i + jnp.log2(l_safe)) / LOG2_E)
     tiles.store_tile(out_ref, (slice(None),), out.astype(out_ref.dtype), q0, p.L, p.Ev)
     rows = tiles.bounds(q0, bq, p.L, 0) if p.L % bq else None

@@ -10,6 +10,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jattn._src.attention import dropout
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.pallas_triton.captured_loads import call_in_kernel
 from jattn._src.pallas_triton.masked import both, bounds, load, store
@@ -52,18 +53,29 @@ def exp2(p: Problem, x):
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-def softmax_step(p: Problem, carry, s, factor: float, load_v):
+def softmax_step(p: Problem, carry, s, factor: float, load_v, kept=None):
     """One online-softmax update of (m_i, l_i, acc) with a [rows, keys] tile of scores `s` (-inf
     where masked; times `factor` they are base-2 logits). load_v() gives the matching V tile; it
-    is called after the exp2s, where the forward kernel has always loaded it."""
+    is called after the exp2s, where the forward kernel has always loaded it. kept: the tile's
+    dropout mask (None: none), which leaves the weights out of acc but not out of l_i."""
     m_i, l_i, acc = carry
     m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
     alpha = exp2(p, m_i - m_new)
     prob = exp2(p, s * factor - m_new[:, None])
+    weights = prob if kept is None else jnp.where(kept, prob, 0.0)
     v_tile = load_v()
-    acc = acc * alpha[:, None] + jnp.dot(prob.astype(v_tile.dtype), v_tile,
+    acc = acc * alpha[:, None] + jnp.dot(weights.astype(v_tile.dtype), v_tile,
                                          preferred_element_type=jnp.float32)
     return m_new, l_i * alpha + prob.sum(axis=1), acc
+
+
+def dropout_mask(p: Problem, seed_ref):
+    """kept(b, h, q_idx, kv_idx) of the call's dropout, its seed read from `seed_ref` (None
+    without dropout)."""
+    if seed_ref is None:
+        return None
+    seed0, seed1 = seed_ref[0], seed_ref[1]
+    return lambda b, h, q_idx, kv_idx: dropout.kept(p, seed0, seed1, b, h, q_idx, kv_idx)
 
 
 def heaviest_first(length: int, tile: int, program):

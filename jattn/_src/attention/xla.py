@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jattn._src import deterministic
+from jattn._src.attention import dropout
 from jattn._src.attention.common import Mods, Problem
 from jattn._src.constants import MASK_VALUE
 from jattn._src.masks.block_mask import MaskLists
@@ -88,6 +89,15 @@ def _scores(p: Problem, mods: Mods, score_captures, mask_captures, qg, k_block, 
     return raw, s, keep
 
 
+def _kept(p: Problem, seed, j):
+    """The dropout mask of key block j [B, Hkv, G, L, block] (None without dropout)."""
+    if seed is None:
+        return None
+    b, h, q = _indices(p)
+    kv = (j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32))
+    return dropout.kept(p, seed[0], seed[1], b, h, q, kv[None, None, None, None])
+
+
 def _block_columns(lists: MaskLists):
     return [jnp.moveaxis(t, -1, 0) for t in lists.dense()]  # [nKV, Bm, Hm, nQ] each
 
@@ -121,6 +131,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
     with p.max_scores each row's largest score [B, Hq, L] (-inf where it attends to nothing)."""
     qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
     shape = (p.B, p.Hkv, p.groups, p.L)
+    mask_captures, seed = dropout.split(p, mask_captures)
 
     def step(carry, xs):
         m, l, acc = carry
@@ -131,9 +142,11 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         e = jnp.where(keep, jnp.exp(s - m_new[..., None]), 0.0)
-        l = alpha * l + e.sum(axis=-1)
+        l = alpha * l + e.sum(axis=-1)  # (dropout leaves the softmax's denominator)
+        kept = _kept(p, seed, j)
+        weights = e if kept is None else jnp.where(kept, e, 0.0)
         acc = alpha[..., None] * acc + _weighted_rows(
-            e.astype(v.dtype), v_block, "bhglk,bhke->bhgle",
+            weights.astype(v.dtype), v_block, "bhglk,bhke->bhgle",
             preferred_element_type=p.compute_dtype)
         return (m_new, l, acc), None
 
@@ -146,7 +159,9 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
           *_block_columns(lists))
     (m, l, acc), _ = lax.scan(step, init, xs)
     l_safe = jnp.where(l == 0, 1.0, l)
-    out = (acc / l_safe[..., None]).astype(q.dtype).reshape(p.B, p.Hq, p.L, p.Ev)
+    # Kept weights are scaled by 1 / (1 - rate); the LSE stays the softmax's.
+    norm = l_safe if seed is None else l_safe * (1.0 - p.dropout)
+    out = (acc / norm[..., None]).astype(q.dtype).reshape(p.B, p.Hq, p.L, p.Ev)
     lse = jnp.where(l == 0, -jnp.inf, m + jnp.log(l_safe)).reshape(p.B, p.Hq, p.L)
     if p.max_scores:
         return out, lse, jnp.where(l == 0, -jnp.inf, m).reshape(p.B, p.Hq, p.L)
@@ -169,6 +184,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
     """
     group = lambda x: x.reshape(p.B, p.Hkv, p.groups, *x.shape[2:])  # noqa: E731
     qg, dog = group(q), group(d_out)
+    mask_captures, seed = dropout.split(p, mask_captures)
     acc = p.compute_dtype
     delta = jnp.sum(out.astype(acc) * d_out.astype(acc), -1)
     delta = group(delta if d_lse is None else delta - d_lse)
@@ -192,6 +208,12 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
         prob = jnp.where(keep, jnp.exp(s - lse_safe), 0.0)
         read = prob > 0  # where a key has no weight its gradients are 0, whatever K and V hold
         dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=acc)
+        kept = _kept(p, seed, j)
+        weights = prob
+        if kept is not None:  # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
+            scale = dropout.weights_scale(p)
+            weights = jnp.where(kept, prob * scale, 0.0)
+            dp = jnp.where(kept, dp * scale, 0.0)
         ds = jnp.where(read, prob * (dp - delta[..., None]), 0.0)
         if p.xla.score is not None:
             b, h, q_idx = _indices(p)
@@ -211,7 +233,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
             return (dq, d_caps), None
         dq = dq + _weighted_rows(ds, k_block.astype(acc), "bhglk,bhke->bhgle") * p.scale
         dk = jnp.einsum("bhglk,bhgle->bhke", ds, qg.astype(acc)) * p.scale
-        dv = jnp.einsum("bhglk,bhgle->bhke", prob.astype(v.dtype), dog,
+        dv = jnp.einsum("bhglk,bhgle->bhke", weights.astype(v.dtype), dog,
                         preferred_element_type=acc)
         return (dq, d_caps), (dk, dv)
 
