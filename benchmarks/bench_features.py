@@ -3,9 +3,11 @@
     python -m benchmarks.bench_features [--json out.json]
 
 Sinks (`sinks=`, per-head logits in the softmax denominator) forward + backward (their
-gradient included), and the rows' largest scores (`return_max_scores=True`) forward, each
-against the plain call on the same inputs: ratio = time with / time without. bf16, causal,
-jitted, inputs rotated out of L2 (`benchmarks.timing`).
+gradient included), dropout (`dropout_rate=0.1`, a key per input set) forward + backward, and
+the rows' largest scores (`return_max_scores=True`) forward, each against the plain call on
+the same inputs: ratio = time with / time without. Dropout runs on pallas_triton (the Mosaic
+kernels do not apply it), so it is also timed against the plain call on pallas_triton. bf16,
+causal, jitted, inputs rotated out of L2 (`benchmarks.timing`).
 """
 
 from __future__ import annotations
@@ -38,27 +40,44 @@ def bench_case(B: int, H: int, L: int, D: int) -> dict:
     mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
     rng = np.random.default_rng(0)
     sets = [[jnp.asarray(rng.standard_normal((B, H, L, D)), jnp.bfloat16) for _ in range(3)]
-            + [jnp.asarray(rng.standard_normal(H), jnp.float32)] for _ in range(COPIES)]
+            + [jnp.asarray(rng.standard_normal(H), jnp.float32), jax.random.key(i)]
+            for i in range(COPIES)]
 
-    def plain(q, k, v, sinks):
-        return jattn.flex_attention(q, k, v, block_mask=mask)
+    def plain(q, k, v, sinks, key, implementation=None):
+        return jattn.flex_attention(q, k, v, block_mask=mask, implementation=implementation)
 
-    def with_sinks(q, k, v, sinks):
+    def with_sinks(q, k, v, sinks, key):
         return jattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks)
 
-    def with_max(q, k, v, sinks):
+    def with_dropout(q, k, v, sinks, key):
+        return jattn.flex_attention(q, k, v, block_mask=mask, dropout_rate=0.1,
+                                    dropout_key=key)
+
+    def with_max(q, k, v, sinks, key):
         return jattn.flex_attention(q, k, v, block_mask=mask, return_max_scores=True)
 
-    times = {"plain_fwd_bwd": time_jax(_fwd_bwd(plain), sets),
-             "sinks_fwd_bwd": time_jax(_fwd_bwd(with_sinks), sets),
+    def keyed_fwd_bwd(fn):  # forward + backward in q, k, v and the sinks
+        return lambda q, k, v, sinks, key: _fwd_bwd(
+            lambda q, k, v, sinks: fn(q, k, v, sinks, key))(q, k, v, sinks)
+
+    times = {"plain_fwd_bwd": time_jax(keyed_fwd_bwd(plain), sets),
+             "sinks_fwd_bwd": time_jax(keyed_fwd_bwd(with_sinks), sets),
+             "dropout_fwd_bwd": time_jax(keyed_fwd_bwd(with_dropout), sets),
+             "triton_fwd_bwd": time_jax(keyed_fwd_bwd(
+                 lambda *args: plain(*args, implementation="pallas_triton")), sets),
              "plain_fwd": time_jax(plain, sets),
              "max_scores_fwd": time_jax(with_max, sets)}
     row = {"case": f"B{B} H{H} L{L} D{D} causal",
            **{name: round(1e3 * t, 4) for name, t in times.items()},
            "sinks_ratio": round(times["sinks_fwd_bwd"] / times["plain_fwd_bwd"], 4),
+           "dropout_ratio": round(times["dropout_fwd_bwd"] / times["plain_fwd_bwd"], 4),
+           "dropout_vs_triton_ratio": round(times["dropout_fwd_bwd"] / times["triton_fwd_bwd"],
+                                            4),
            "max_scores_ratio": round(times["max_scores_fwd"] / times["plain_fwd"], 4)}
     print(f"{row['case']}: sinks fwd+bwd {row['sinks_fwd_bwd']:.3f} vs "
-          f"{row['plain_fwd_bwd']:.3f} ms ({row['sinks_ratio']:.3f}x); max scores fwd "
+          f"{row['plain_fwd_bwd']:.3f} ms ({row['sinks_ratio']:.3f}x); dropout fwd+bwd "
+          f"{row['dropout_fwd_bwd']:.3f} ms ({row['dropout_ratio']:.3f}x, "
+          f"{row['dropout_vs_triton_ratio']:.3f}x pallas_triton's plain); max scores fwd "
           f"{row['max_scores_fwd']:.3f} vs {row['plain_fwd']:.3f} ms "
           f"({row['max_scores_ratio']:.3f}x)", flush=True)
     return row
