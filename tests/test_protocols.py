@@ -1,5 +1,6 @@
-"""Every backend of an op has the op's entry points (gemm/protocols.py, decoding/call.py), with
-the protocol's parameters, so the op's code calls them without asking which backend it has."""
+"""Every backend of an op has the op's entry points (gemm/protocols.py, decoding/call.py,
+attention/common.py), with the protocol's parameters, so the op's code calls them without
+asking which backend it has."""
 
 import inspect
 
@@ -7,13 +8,14 @@ import pytest
 
 import jattn  # noqa: F401  (registers the ops)
 from jattn._src import backends
+from jattn._src.attention.common import AttentionBackend
 from jattn._src.decoding.call import DecodeBackend
 from jattn._src.gemm import protocols
 
 PROTOCOLS = {"matmul": protocols.GemmBackend, "bmm": protocols.GemmBackend,
              "mm_plus_mm": protocols.GemmBackend, "scaled_matmul": protocols.GemmBackend,
              "b2b_matmul": protocols.B2BBackend, "mixed_matmul": protocols.MixedBackend,
-             "flex_decode": DecodeBackend}
+             "flex_decode": DecodeBackend, "flex_attention": AttentionBackend}
 
 
 @pytest.mark.parametrize("op", sorted(PROTOCOLS))

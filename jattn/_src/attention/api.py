@@ -347,7 +347,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  implementation=None, precision=None, return_max_scores=False,
                                  dropout: Dropout = NO_DROPOUT):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
-    the program takes them first, in this order, as `flex_attention_backward` does."""
+    the program takes them first, in this order, as `flex_attention_backward` does. dropout:
+    the call's checked dropout (`attention.dropout.checked_dropout`)."""
     if not (isinstance(q, jax.Array) and isinstance(k, jax.Array) and isinstance(v, jax.Array)):
         q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,20 @@ class Problem:
     def interpret(self) -> bool:
         """The kernels run in the Pallas interpreter."""
         return self.implementation.backend.interpret
+
+
+class AttentionBackend(Protocol):
+    """What a flex_attention implementation's module provides (the registry's `module`)."""
+
+    def specialise(self, p: Problem, *, score_mod, mask_mod, score_set: CaptureSet,
+                   mask_set: CaptureSet, block_mask, config) -> Problem:
+        """p completed for this backend: its config and the mods traced at its tiles."""
+
+    def forward(self, p: Problem, q, k, v, lists, score_caps, mask_caps):
+        """(out, lse), with p.max_scores also the rows' largest scores."""
+
+    def backward(self, p: Problem, res, d_out, d_lse):
+        """(dq, dk, dv, the score_mod's captured arrays' gradients) of the residuals."""
 
 
 # Scores are float32 and the softmax's exponent is computed with fused multiply-adds, which

@@ -32,8 +32,10 @@ from jattn._src.tiling import cdiv
 capture_vjp = deterministic.vjp
 
 
-def specialise(p: Problem, **_) -> Problem:
+def specialise(p: Problem, *, score_mod, mask_mod, score_set, mask_set, block_mask,
+               config) -> Problem:
     """p as it is: XLA runs every pass on the mods traced at its block (p.xla)."""
+    del score_mod, mask_mod, score_set, mask_set, block_mask, config
     return p
 
 
@@ -125,18 +127,18 @@ def _zeros(shape, dtype, *inputs) -> jax.Array:
     return aligned(jnp.zeros(shape, dtype), *inputs)[0]
 
 
-def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any],
-            mask_captures: Sequence[Any]):
+def forward(p: Problem, q, k, v, lists: MaskLists, score_caps: Sequence[Any],
+            mask_caps: Sequence[Any]):
     """(out [B, Hq, L, Ev] of q.dtype, lse [B, Hq, L] of p.compute_dtype, natural log), and
     with p.max_scores each row's largest score [B, Hq, L] (-inf where it attends to nothing)."""
     qg = q.reshape(p.B, p.Hkv, p.groups, p.L, p.E)
     shape = (p.B, p.Hkv, p.groups, p.L)
-    mask_captures, seed = dropout.split(p, mask_captures)
+    mask_caps, seed = dropout.split(p, mask_caps)
 
     def step(carry, xs):
         m, l, acc = carry
         j, k_block, v_block, partial_j, full_j = xs
-        _, s, keep = _scores(p, p.xla, score_captures, mask_captures, qg, k_block, partial_j,
+        _, s, keep = _scores(p, p.xla, score_caps, mask_caps, qg, k_block, partial_j,
                              full_j, j)
         s = jnp.where(keep, s, MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=-1))
@@ -150,7 +152,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_captures: Sequence[Any]
             preferred_element_type=p.compute_dtype)
         return (m_new, l, acc), None
 
-    inputs = (q, k, v, lists, score_captures, mask_captures)
+    inputs = (q, k, v, lists, score_caps, mask_caps)
     acc = p.compute_dtype
     init = (_zeros(shape, acc, *inputs) + MASK_VALUE, _zeros(shape, acc, *inputs),
             _zeros((*shape, p.Ev), acc, *inputs))
