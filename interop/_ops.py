@@ -218,16 +218,16 @@ def _flex_program(return_lse: bool, max_scores: bool = False, **static) -> Calla
 
 
 def _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, differentiated,
-                   **static):
+                   dropout=None, **static):
     """(dq, dk, dv, gradients of the floating-point captures), reusing the forward's out/lse;
     a cotangent that is None (an output autograd saw no gradient for) counts as zeros.
     differentiated: for each capture, whether its gradient is wanted (None: all); the others'
-    are zeros, and cost nothing."""
+    are zeros, and cost nothing. dropout: the forward's (a bridge.Dropout), or None."""
     if d_out is None:
         d_out = jnp.zeros_like(out)
     dq, dk, dv, d_score_captures = _flex_call(bridge.flex_attention_backward, False, **static)(
         q, k, v, out, lse, d_out, d_lse, mask_arrays=mask_arrays, capture_arrays=captures,
-        differentiated=differentiated)
+        differentiated=differentiated, **({} if dropout is None else {"dropout": dropout}))
     # score_mod's captures first, in order; the mask_mod's have no gradient
     d_captures = [*d_score_captures, *[None] * (len(captures) - len(d_score_captures))]
     learnable = [jnp.issubdtype(c.dtype, jnp.floating) for c in captures]
@@ -498,6 +498,70 @@ class _EagerFlex(torch.autograd.Function):
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
         return None, None, None, dq, dk, dv, *d_captures
+
+
+class _DropoutFlex(torch.autograd.Function):
+    """flex attention with dropout of the weights, eager: JAX's programs through DLPack, the
+    seed an int32[2] tensor drawn from torch's generator (`flex_attention_dropout`). Out, LSE,
+    the views of q, k, v, the seed, the mask lists and the captures are kept for the backward
+    as JAX arrays."""
+
+    @staticmethod
+    def forward(ctx, static, rate, masks, q, k, v, seed, *captures):
+        device, leading, lists, capture_arrays = ready_op_views(
+            "flex_attention", _DROPOUT_TENSORS, (q, k, v, seed), masks, captures)
+        facts = {**flex_facts(leading[0], leading[2], static[0], capture_arrays),
+                 "dropout": True}
+        options = _flex_static(device, facts, *static)
+        forward, backward = _dropout_programs(rate, **options)
+        out, lse = run(forward, device, *leading, lists, capture_arrays)
+        ctx.arrays, ctx.lists, ctx.captures = (*leading, out, lse), lists, capture_arrays
+        ctx.backward, ctx.device = backward, device
+        ctx.save_for_backward(*captures)  # (checks that none changed in place)
+        return to_torch(out, device), to_torch(lse, device).clone()
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        captures = ctx.saved_tensors
+        with x64_scope(d_out):
+            device, cotangents = ready_views("flex_attention", (d_out, d_lse),
+                                             ("d_out", "d_lse"))
+            grads = iter([to_torch(g, device) for g in run(
+                ctx.backward, device, *cotangents, *ctx.arrays, ctx.lists, ctx.captures)])
+        dq, dk, dv = next(grads), next(grads), next(grads)
+        d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
+        return None, None, None, dq, dk, dv, None, *d_captures
+
+
+_DROPOUT_TENSORS = ("q", "k", "v", "dropout seed")
+
+
+@functools.lru_cache(maxsize=64)
+def _dropout_programs(rate: float, **static) -> tuple[Callable, Callable]:
+    """The jitted forward (q, k, v, seed, mask arrays, captures) -> (out, lse) and backward
+    (d_out, d_lse, q, k, v, seed, out, lse, mask arrays, captures) -> gradients of flex
+    attention with dropout at `rate`, the seed an argument."""
+    def forward(q, k, v, seed, mask_arrays, captures):
+        return _flex_call(bridge.flex_attention, False, **static)(
+            q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=True,
+            dropout=bridge.Dropout(rate, seed))
+
+    def backward(d_out, d_lse, q, k, v, seed, out, lse, mask_arrays, captures):
+        return _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, None,
+                              dropout=bridge.Dropout(rate, seed), **static)
+
+    return jax.jit(forward), jax.jit(backward)
+
+
+@torch.compiler.disable  # under torch.compile: a graph break, the call run eagerly
+def flex_attention_dropout(q, k, v, masks, captures, static, rate: float):
+    """(out, lse) of flex attention with dropout at `rate` of the weights (eager): the seed
+    drawn from torch's generator of q's device, so torch.manual_seed makes a call repeat.
+    masks: every mask list (MASK_FIELDS order); static: the op's trailing arguments."""
+    seed = torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32, device=q.device)
+    dense = [x.contiguous() for x in (q, k, v)]
+    with x64_scope(q):
+        return _DropoutFlex.apply(static, rate, list(masks), *dense, seed, *captures)
 
 
 def traced_flex(q, k, v, masks, captures, *static, return_lse: bool):

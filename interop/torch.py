@@ -321,7 +321,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod=None, block_mask=None, scale: float | None = None,
                    enable_gqa: bool = False, return_lse: bool = False, kernel_options=None,
                    *, return_aux=None, implementation: str | None = None,
-                   sinks: torch.Tensor | None = None):
+                   sinks: torch.Tensor | None = None, dropout_p: float = 0.0):
     """`jattn.flex_attention` on torch tensors, with torch FlexAttention's signature and
     behaviour (`torch.nn.attention.flex_attention.flex_attention`).
 
@@ -345,6 +345,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     sinks (a jattn addition to torch's signature): attention sinks, one logit per query head
     [Hq], as in `jattn.flex_attention`; a tensor that requires grad gets its gradient, and
     the LSE returned includes them.
+    dropout_p (a jattn addition, SDPA's name): dropout of the attention weights, as
+    `jattn.flex_attention`'s dropout_rate, its mask drawn from torch's random generator (so
+    torch.manual_seed repeats it) and regenerated in the backward. Run eagerly (under
+    torch.compile: a graph break); not with return_aux's max_scores.
 
     Example::
 
@@ -357,13 +361,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """
     with _dlpack.x64_scope(query):
         return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                               return_lse, kernel_options, return_aux, implementation, sinks)
+                               return_lse, kernel_options, return_aux, implementation, sinks,
+                               dropout_p)
 
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
-                    kernel_options, return_aux, implementation, sinks=None):
+                    kernel_options, return_aux, implementation, sinks=None, dropout_p=0.0):
     want_lse, want_max = _aux_request(return_lse, return_aux)
     _check_sinks(sinks, query)
+    dropout_p = _checked_dropout(dropout_p, want_max)
     original, dtype = query, _compute_dtype(query)
     config = _config(kernel_options, dtype)
     query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
@@ -372,7 +378,16 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     mask_mod = _block_mask_mod(block_mask)
     largest = None
     compiling = torch.compiler.is_compiling()
-    if compiling or want_max:  # the registered ops (the largest scores: eager too)
+    if dropout_p:
+        mask_tensors, block_size = [], [128, 128]
+        if block_mask is not None:
+            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
+        mods, captures = _ops.capture_mods(score_mod, mask_mod)
+        out, lse = _ops.flex_attention_dropout(
+            query, key, value, mask_tensors, captures,
+            (mods, tuple(block_size), (L, S), scale, enable_gqa, implementation, config),
+            dropout_p)
+    elif compiling or want_max:  # the registered ops (the largest scores: eager too)
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
             mask_tensors, block_size = _mask_tensors(block_mask, L, S)
@@ -397,6 +412,20 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if return_aux is not None:
         return out, _flex.AuxOutput(lse=lse if want_lse else None, max_scores=largest)
     return (out, lse) if want_lse else out
+
+
+def _checked_dropout(dropout_p, want_max: bool) -> float:
+    """dropout_p as a float in [0, 1); what the dropout path does not do raises."""
+    if isinstance(dropout_p, (bool, str)) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"flex_attention: `dropout_p` must be a float in [0, 1), got "
+                        f"{type(dropout_p).__name__} {dropout_p!r}.")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"flex_attention: `dropout_p` must be in [0, 1), got {dropout_p!r}.")
+    if dropout_p and want_max:
+        raise NotImplementedError("flex_attention: dropout_p with AuxRequest(max_scores=True) "
+                                  "is not supported yet; ask for the largest scores in a call "
+                                  "without dropout.")
+    return float(dropout_p)
 
 
 def _check_sinks(sinks, query) -> None:

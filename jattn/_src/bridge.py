@@ -12,13 +12,14 @@ from jattn._src import backends, compat
 from jattn._src.attention import pallas_mosaic_gpu
 from jattn._src.attention.api import flex_attention_backward
 from jattn._src.attention.api import flex_attention_with_captures as flex_attention
+from jattn._src.attention.dropout import Dropout
 from jattn._src.decoding.paged import check_pool_sizes
 from jattn._src.pallas_triton.launch import Constant, ConstantArray, KernelProgram, kernel_program
 from jattn._src.masks.block_mask import MaskLists
 from jattn._src.pallas_triton.compile import triton_compiler_available
 from jattn._src.programs import register_cache
 
-__all__ = ["Constant", "ConstantArray", "KernelProgram", "MaskLists",
+__all__ = ["Constant", "ConstantArray", "Dropout", "KernelProgram", "MaskLists",
            "backward_launches_directly", "check_pool_sizes", "compat", "flex_attention",
            "flex_attention_backward", "kernel_program", "launches_directly", "register_cache",
            "resolve", "torch_eager_facts", "unreadable_capture"]

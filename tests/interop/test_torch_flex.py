@@ -520,3 +520,51 @@ def test_sinks_agree_with_torch_flex_attention_patched_through_its_lse():
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, msg=name)
     with pytest.raises(ValueError, match=r"`sinks` must hold one logit per query head"):
         jt.flex_attention(q, k, v, sinks=torch.zeros(2, dtype=torch.float64))
+
+
+def test_dropout_p_is_jattns_dropout_with_the_seed_torchs_generator_drew():
+    """dropout_p (a jattn addition): out, LSE and autograd gradients equal jattn's dropout
+    given the seed torch's generator drew (the same mask); torch.manual_seed repeats a call,
+    eager or compiled, another seed draws another mask; bad values raise."""
+    from jattn._src import bridge
+
+    q, k, v = _qkv()
+    score_mod = jattn.mods.alibi(jattn.mods.alibi_slopes(HQ))
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, BLOCK_SIZE=64,
+                                      device="cpu")
+
+    def ours(seed):
+        torch.manual_seed(seed)
+        return jt.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
+                                 return_lse=True, dropout_p=0.25)
+
+    out, lse = ours(5)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    d_lse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(2))
+    torch.autograd.backward((out, lse), (d_out, d_lse))
+    torch.manual_seed(5)
+    seed = jnp.asarray(torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32).numpy())
+    jmask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L, block_size=64)
+
+    def run(q, k, v):
+        return bridge.flex_attention(q, k, v, score_mod, jmask, enable_gqa=True, return_lse=True,
+                                     dropout=bridge.Dropout(0.25, seed))
+
+    arrays = [jnp.asarray(x.detach().numpy()) for x in (q, k, v, d_out, d_lse)]
+    expected, vjp = jax.vjp(run, *arrays[:3])
+    for got, want in zip((out, lse), expected):
+        np.testing.assert_allclose(got.detach().numpy(), want, rtol=1e-6, atol=1e-6)
+    for x, want in zip((q, k, v), vjp(tuple(arrays[3:]))):
+        np.testing.assert_allclose(x.grad.numpy(), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(ours(5)[0], out.detach())
+        assert not torch.allclose(ours(6)[0], out.detach())
+        # under torch.compile: a graph break around the eager call, the same mask
+        compiled = torch.compile(lambda q, k, v: jt.flex_attention(
+            q, k, v, score_mod, block_mask, enable_gqa=True, dropout_p=0.25))
+        torch.manual_seed(5)
+        assert torch.equal(compiled(q, k, v), out.detach())
+    with pytest.raises(ValueError, match=r"`dropout_p` must be in \[0, 1\), got 1.0"):
+        jt.flex_attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(NotImplementedError, match="max_scores"):
+        jt.flex_attention(q, k, v, dropout_p=0.1, return_aux=flex.AuxRequest(max_scores=True))

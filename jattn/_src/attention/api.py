@@ -372,7 +372,7 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
                             score_captures=(), mask_captures=(), scale=None, enable_gqa=False,
                             config=None, implementation=None, precision=None,
-                            differentiated=None):
+                            differentiated=None, dropout: Dropout = NO_DROPOUT):
     """Gradients of `flex_attention_with_captures(q, k, v, score_mod, block_mask,
     score_captures=..., mask_captures=..., return_lse=True)` from its saved outputs (out, lse)
     and their cotangents, without running the forward again: the backward `jax.vjp` runs, of
@@ -383,16 +383,17 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
     (zeros if score_mod does not read it), or None if it is not floating point or
     `differentiated` (a bool per score capture; default: every floating one) leaves it out:
-    a captured array's gradient costs a pass of its own.
+    a captured array's gradient costs a pass of its own. dropout: the forward's.
     """
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-        (score_captures, mask_captures))
+        (score_captures, mask_captures), dropout_spec=(dropout.rate, dropout.shared))
     if differentiated is not None:
         differentiated = tuple(map(bool, differentiated))
-    dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps, mask_caps,
-                                                out, lse, d_out, d_lse, differentiated)
+    dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps,
+                                                with_seed(mask_caps, dropout.seed), out, lse,
+                                                d_out, d_lse, differentiated)
     return dq, dk, dv, list(d_score_caps[:len(score_captures)])
 
 
