@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -23,7 +24,7 @@ from torch import Tensor
 import jattn
 from ._direct import DirectProgram
 from ._dlpack import DTYPES, run, to_torch
-from ._ops import implementation_for, needs_autograd, ready_views
+from ._ops import float32_precision, implementation_for, needs_autograd, ready_views
 from jattn._src import bridge
 
 # Outside torch.compile each op runs as an autograd.Function with the same implementation and
@@ -96,41 +97,47 @@ def register(spec: GemmOp):
     names, n, option_names = spec.tensor_names, len(spec.tensors), spec.option_names
     grad_set = set(spec.grads)
     dtype_options = any(entry.startswith("ScalarType") for entry in spec.options)
+    # float32 products as torch's flags say, for the ops that multiply float32 operands
+    takes_precision = "precision" in inspect.signature(spec.fn).parameters
 
-    def keywords(arrays, options, implementation) -> dict:  # at trace time only
+    def keywords(arrays, options, implementation, precision) -> dict:  # at trace time only
         return {**dict(zip(names, arrays)), **dict(zip(option_names, options)),
-                "implementation": implementation}
+                "implementation": implementation,
+                **({"precision": precision} if takes_precision else {})}
 
     @functools.lru_cache(maxsize=64)
-    def forward_program(options, implementation) -> Callable[..., jax.Array]:
+    def forward_program(options, implementation, precision) -> Callable[..., jax.Array]:
         """The jitted forward for one set of options: bound, as dispatching static arguments
         on every call costs more."""
-        return jax.jit(lambda *arrays: spec.fn(**keywords(arrays, options, implementation)))
+        return jax.jit(lambda *arrays: spec.fn(**keywords(arrays, options, implementation,
+                                                          precision)))
 
-    @functools.partial(jax.jit, static_argnames=("options", "implementation"))
-    def vjp_jit(grad, *arrays, options, implementation):
-        fixed = keywords(arrays, options, implementation)
+    @functools.partial(jax.jit, static_argnames=("options", "implementation", "precision"))
+    def vjp_jit(grad, *arrays, options, implementation, precision):
+        fixed = keywords(arrays, options, implementation, precision)
 
         def differentiable(*xs):
             return spec.fn(**{**fixed, **dict(zip(spec.grads, xs))})
         return jax.vjp(differentiable, *(fixed[name] for name in spec.grads))[1](grad)
 
     def static(args, device) -> tuple:
-        """(options, implementation) of a call on tensors on `device`, as the programs take
-        them."""
+        """(options, implementation, precision) of a call on tensors on `device`, as the
+        programs take them; precision follows torch's TF32 flag for float32 operands."""
         options = args[n:-1]
         if dtype_options:
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
-        return options, implementation_for(spec.name, device, args[-1])
+        precision = float32_precision(args[0].dtype) if takes_precision else None
+        return options, implementation_for(spec.name, device, args[-1]), precision
 
     @functools.lru_cache(maxsize=64)
-    def direct_program(options, implementation, present: tuple[bool, ...]) -> DirectProgram:
+    def direct_program(options, implementation, precision,
+                       present: tuple[bool, ...]) -> DirectProgram:
         """The forward as a DirectProgram on the tensors that are not None (present: which
         of the op's tensor arguments are)."""
         def pack(tensors):
             given = iter(tensors)
             return tuple(next(given) if p else None for p in present)
-        return DirectProgram(forward_program(options, implementation), pack)
+        return DirectProgram(forward_program(options, implementation, precision), pack)
 
     def run_forward(*args) -> Tensor:
         tensors, options = args[:n], None
@@ -151,9 +158,9 @@ def register(spec: GemmOp):
         if spec.no_gradient is not None:
             raise NotImplementedError(spec.no_gradient)
         device, arrays = ready_views(spec.name, (grad, *args[:n]), ("grad", *names))
-        options, implementation = static(args, device)
-        grads = run(functools.partial(vjp_jit, options=options, implementation=implementation),
-                    device, *arrays)
+        options, implementation, precision = static(args, device)
+        grads = run(functools.partial(vjp_jit, options=options, implementation=implementation,
+                                      precision=precision), device, *arrays)
         return [to_torch(g, device) for g in grads if g is not None]
 
     def backward_fake(grad, *args):

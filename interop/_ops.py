@@ -64,6 +64,15 @@ def ready_views(fn: str, tensors: Sequence[Tensor | jax.Array | None],
     return device, arrays
 
 
+def float32_precision(dtype: torch.dtype) -> str | None:
+    """torch's float32 products, as jattn's `precision`: full float32 unless torch allows TF32
+    (torch.backends.cuda.matmul.allow_tf32, which torch.set_float32_matmul_precision sets), as
+    its own kernels do; None (no effect) for other dtypes."""
+    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+        return None
+    return "highest"
+
+
 def needs_autograd(tensors) -> bool:
     """Whether autograd must record a call on these op arguments: grad mode is on and a tensor
     among them requires grad. (Otherwise the eager ops skip the autograd.Function, ~35 us of

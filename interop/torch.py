@@ -260,20 +260,12 @@ _KERNEL_OPTIONS = {"BLOCK_M": ("block_q",), "BLOCK_N": ("block_k",),
                    "fwd_BLOCK_M": ("block_q",), "fwd_BLOCK_N": ("block_k",)}
 
 
-def _float32_precision(dtype: torch.dtype) -> str | None:
-    """torch's float32 products for flex_attention: full float32 unless torch allows TF32
-    (torch.backends.cuda.matmul.allow_tf32), as its own kernels do; None for other dtypes."""
-    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
-        return None
-    return "highest"
-
-
 def _config(kernel_options, dtype: torch.dtype) -> str | None:
     """The AttentionConfig that torch's kernel_options ask for (its other fields at
     AttentionConfig's defaults) and torch's float32 precision for `dtype`, encoded for the op;
     None when neither applies. Keys without a jattn counterpart (PRESCALE_QK, BACKEND, USE_TMA,
     ...) are ignored."""
-    precision = _float32_precision(dtype)
+    precision = _ops.float32_precision(dtype)
     if kernel_options is None:
         return _ops.encode_config(None, precision)
     if not isinstance(kernel_options, dict):

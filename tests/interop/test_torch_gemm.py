@@ -1,5 +1,5 @@
-"""interop.torch.matmul / bmm: bitwise equal to jattn (outputs and autograd gradients), opcheck,
-torch.compile(fullgraph=True), bad input."""
+"""interop.torch.matmul / bmm: bitwise equal to jattn (outputs and autograd gradients), torch's
+TF32 flag, opcheck, torch.compile(fullgraph=True), bad input."""
 
 import jax
 import numpy as np
@@ -58,6 +58,25 @@ def test_bitwise_equal_to_jattn(kind, dtype):
 @pytest.mark.parametrize("kind", CASES)
 def test_bitwise_equal_to_jattn_on_cuda(kind):
     _check_bitwise(kind, torch.bfloat16, "cuda", "pallas_triton")
+
+
+@pytest.mark.gpu
+def test_float32_follows_torchs_tf32_flag():
+    """float32 on CUDA: full float32 products unless torch.backends.cuda.matmul.allow_tf32
+    (or torch.set_float32_matmul_precision("high")), as torch.mm."""
+    generator = torch.Generator("cuda").manual_seed(0)
+    a = torch.randn(256, 512, device="cuda", generator=generator)
+    b = torch.randn(512, 128, device="cuda", generator=generator)
+    expected = (a.double() @ b.double()).float()
+    flag = torch.backends.cuda.matmul.allow_tf32
+    try:
+        errors = {}
+        for allow_tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            errors[allow_tf32] = (jt.matmul(a, b) - expected).abs().max().item()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+    assert errors[False] < 2e-3 < errors[True], errors
 
 
 @pytest.mark.parametrize("kind", CASES)
