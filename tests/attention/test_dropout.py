@@ -12,7 +12,7 @@ import pytest
 
 import jattn
 from jattn._src.attention import dropout
-from jattn._src.attention.reference import element_mask
+from jattn._src.attention.reference import attention_reference
 from tests.helpers import (IMPLEMENTATIONS, assert_close, assert_gradients_close, golden,
                            low_precision, random)
 
@@ -37,25 +37,6 @@ def _mask(key, rate, shape, shared=False):
     return jnp.broadcast_to(dropout.kept(problem, seed[0], seed[1], b, h, q_idx, kv_idx), shape)
 
 
-def dropout_reference(q, k, v, kept, rate, score_mod=None, block_mask=None):
-    """softmax(scores) ∘ kept / (1 - rate) · v, and the softmax's LSE."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)
-    groups = q.shape[1] // k.shape[1]
-    k, v = (jnp.repeat(x, groups, axis=1) for x in (k, v))
-    s = jnp.einsum("bhle,bhse->bhls", q, k, preferred_element_type=acc) * q.shape[-1] ** -0.5
-    if score_mod is not None:
-        index = [jnp.arange(n, dtype=jnp.int32).reshape(shape) for n, shape in zip(
-            s.shape, [(-1, 1, 1, 1), (1, -1, 1, 1), (1, 1, -1, 1), (1, 1, 1, -1)])]
-        s = score_mod(s, *index).astype(acc)
-    if block_mask is not None:
-        s = jnp.where(element_mask(block_mask, *q.shape[:2]), s, -jnp.inf)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.where(jnp.isneginf(s), 0.0, jnp.exp(s - lse[..., None]))
-    p = jnp.where(kept, p / (1 - rate), 0.0)
-    out = jnp.einsum("bhls,bhse->bhle", p.astype(v.dtype), v, preferred_element_type=acc)
-    return out.astype(q.dtype), lse
-
-
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_output_lse_and_gradients_match_a_float64_reference_with_the_same_mask(impl):
     rng = np.random.default_rng(0)
@@ -71,7 +52,7 @@ def test_output_lse_and_gradients_match_a_float64_reference_with_the_same_mask(i
                                     dropout_key=key)
 
     def reference(q, k, v):
-        return dropout_reference(q, k, v, kept, RATE, _tilt, block_mask)
+        return attention_reference(q, k, v, _tilt, block_mask, dropout=(kept, RATE))
 
     out, lse = jax.jit(ours)(q, k, v)
     gold_out, gold_lse = golden(reference, q, k, v)
@@ -163,6 +144,6 @@ def test_forward_mode_through_dropout(impl):
     _, ours = jax.jvp(lambda q, k, v: jattn.flex_attention(
         q, k, v, implementation=impl, dropout_rate=RATE, dropout_key=key), (q, k, v),
         (dq, dk, dv))
-    _, expected = jax.jvp(lambda q, k, v: dropout_reference(q, k, v, kept, RATE)[0], (q, k, v),
-                          (dq, dk, dv))
+    _, expected = jax.jvp(lambda q, k, v: attention_reference(q, k, v, dropout=(kept, RATE))[0],
+                          (q, k, v), (dq, dk, dv))
     np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)

@@ -27,11 +27,14 @@ def element_mask(block_mask: BlockMask, B: int, H: int) -> jax.Array:
 
 def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
                         score_mod: Callable[..., jax.Array] | None = None,
-                        block_mask: BlockMask | None = None, *, scale: float | None = None):
+                        block_mask: BlockMask | None = None, *, scale: float | None = None,
+                        dropout: tuple[jax.Array, float] | None = None):
     """softmax(score_mod(scale·q·kᵀ) masked)·v and the natural-log LSE [B, Hq, L] (float32+).
 
     Scores and softmax run in float32 (float64 for float64 inputs); the probabilities are cast to
     v's dtype before the P·V product, as in the kernels. Fully masked rows give 0 and -inf.
+    dropout: (kept [B|1, Hq|1, L, S] bool, rate): the probabilities where kept, over 1 - rate
+    (the LSE stays the softmax's).
     """
     B, Hq, L, E = q.shape
     Hkv = k.shape[1]
@@ -54,6 +57,9 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array,
     l = e.sum(axis=-1, keepdims=True)
     l_safe = jnp.where(l == 0, 1.0, l)
     p = e / l_safe
+    if dropout is not None:
+        kept, rate = dropout
+        p = jnp.where(kept, p / (1 - rate), 0.0)
     lse = jnp.where(l == 0, -jnp.inf, jnp.log(l_safe) + jnp.where(jnp.isfinite(m), m, 0.0))[..., 0]
     out = jnp.einsum("bhls,bhse->bhle", p.astype(v.dtype), v, preferred_element_type=acc)
     return out.astype(q.dtype), lse
