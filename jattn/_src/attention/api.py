@@ -146,6 +146,10 @@ class Residuals(NamedTuple):
     differentiated: tuple[bool, ...]
 
 
+# jitted: under jax.jit, JAX traces the custom_jvp's primal (for the staged call) and its JVP
+# rule (when differentiating) separately, and both call this; jit's trace cache makes the
+# second a lookup instead of tracing the forward's kernels again.
+@functools.partial(jax.jit, static_argnums=0)
 def _forward(p: Problem, q, k, v, lists, score_caps, mask_caps):
     with precision.applied(p.precision):
         return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
