@@ -525,7 +525,7 @@ class _DropoutFlex(torch.autograd.Function):
         forward, backward = _dropout_programs(rate, **options)
         out, lse = run(forward, device, *leading, lists, capture_arrays)
         ctx.arrays, ctx.lists, ctx.captures = (*leading, out, lse), lists, capture_arrays
-        ctx.backward, ctx.device = backward, device
+        ctx.backward = backward
         ctx.save_for_backward(*captures)  # (checks that none changed in place)
         return to_torch(out, device), to_torch(lse, device).clone()
 
@@ -690,6 +690,7 @@ for _name, _clear in (("torch.flex_programs", _flex_program.cache_clear),
                       ("torch.tensor_names", tensor_names.cache_clear),
                       ("torch.unreadable_capture", _unreadable_capture.cache_clear),
                       ("torch.flex_backward_programs", _backward_program.cache_clear),
+                      ("torch.flex_dropout_programs", _dropout_programs.cache_clear),
                       ("torch.flex_plans", FLEX_PLANS.clear)):
     bridge.register_cache(_name, _clear)
 
