@@ -685,7 +685,6 @@ def flex_plan(key: tuple, device: torch.device, facts: Callable[[], dict]) -> Fl
     return plan
 
 
-
 for _name, _clear in (("torch.flex_programs", _flex_program.cache_clear),
                       ("torch.tensor_names", tensor_names.cache_clear),
                       ("torch.unreadable_capture", _unreadable_capture.cache_clear),
