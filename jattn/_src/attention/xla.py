@@ -152,7 +152,7 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps: Sequence[Any],
             preferred_element_type=p.compute_dtype)
         return (m_new, l, acc), None
 
-    inputs = (q, k, v, lists, score_caps, mask_caps)
+    inputs = (q, k, v, lists, score_caps, mask_caps, seed)
     acc = p.compute_dtype
     init = (_zeros(shape, acc, *inputs) + MASK_VALUE, _zeros(shape, acc, *inputs),
             _zeros((*shape, p.Ev), acc, *inputs))
@@ -239,7 +239,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
                         preferred_element_type=acc)
         return (dq, d_caps), (dk, dv)
 
-    inputs = (q, k, v, lists, score_captures, mask_captures, out, lse, d_out, d_lse)
+    inputs = (q, k, v, lists, score_captures, mask_captures, seed, out, lse, d_out, d_lse)
     # A capture's gradient per block has the capture's own type (under shard_map, the pullback
     # of a replicated array sums the devices' parts), and so does their sum.
     zeros_caps = [_zeros(jnp.shape(score_captures[i]), jnp.result_type(score_captures[i]),
