@@ -2,13 +2,13 @@
 
 Whether weight (b, h, q, kv) is kept is a hash of the call's seed and those four positions,
 so every implementation draws the same mask, block by block, without storing it: the backward
-recomputes it where it recomputes P. The seed is two int32 words drawn from the caller's JAX
-PRNG key; the kernels read it as the last of the mask_mod's captured arrays (`with_seed`,
-`split`), so it travels wherever those do. The hash: murmur3's 32-bit finaliser (a bijection
-with full avalanche) of a per-(b, h) key, then of each row's, plus the key position times an
-odd constant; int32 arithmetic that wraps and logical shifts, which XLA, Triton and the Pallas
-interpreter compute alike. A weight is kept where the hash's top 31 bits reach
-round(rate · 2³¹).
+recomputes it where it recomputes P. The seed is the two uint32 words of the caller's JAX PRNG
+key (drawn from it for implementations whose keys hold more); the kernels read it as the last
+of the mask_mod's captured arrays (`with_seed`, `split`), so it travels wherever those do.
+The hash: murmur3's 32-bit finaliser (a bijection with full avalanche) of a per-(b, h) key,
+then of each row's, plus the key position times an odd constant; int32 arithmetic that wraps
+and logical shifts, which XLA, Triton and the Pallas interpreter compute alike. A weight is
+kept where the hash's top 31 bits reach round(rate · 2³¹).
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ def checked_dropout(fn: str, rate, key, *, shared: bool = False) -> Dropout:
     if key.shape != () if typed else (key.shape != (2,) or key.dtype != jnp.uint32):
         raise TypeError(f"{fn}: `dropout_key` must be one JAX PRNG key (jax.random.key(0), or "
                         f"a legacy jax.random.PRNGKey), got {key.dtype} of shape {key.shape}.")
-    bits = jax.random.bits(key, (2,), jnp.uint32)
-    return Dropout(rate, lax.bitcast_convert_type(bits, jnp.int32), bool(shared))
+    # The key's own two words where it has two (threefry, JAX's default: no computation to
+    # dispatch on an eager call), else two drawn from it; the hash mixes them either way.
+    words = jax.random.key_data(key) if typed else key
+    if words.shape != (2,):
+        words = jax.random.bits(key, (2,), jnp.uint32)
+    return Dropout(rate, words, bool(shared))
 
 
 def with_seed(mask_captures: tuple, seed: jax.Array | None) -> tuple:
@@ -92,7 +96,9 @@ def kept(p, seed0, seed1, b, h, q_idx, kv_idx):
     """Whether each weight of problem p's call at (b, h, q_idx, kv_idx) is kept (broadcast
     int32 positions; seed0, seed1 the seed's words). With p.dropout_shared every batch and head
     draws the same mask (Flax's broadcast_dropout)."""
-    b, h, q_idx, kv_idx = (lax.convert_element_type(x, jnp.int32) for x in (b, h, q_idx, kv_idx))
+    # (uint32 seed words become the int32 of the same bits)
+    seed0, seed1, b, h, q_idx, kv_idx = (lax.convert_element_type(x, jnp.int32)
+                                         for x in (seed0, seed1, b, h, q_idx, kv_idx))
     if p.dropout_shared:
         b = h = jnp.int32(0)
     head = _mix(seed0 ^ _mix(seed1 + (b * jnp.int32(p.Hq) + h) * jnp.int32(_GOLDEN)))
