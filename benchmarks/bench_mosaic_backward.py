@@ -8,7 +8,7 @@ lets the tensor cores run cooler and faster, on both sides); TFLOP/s are 2.5x th
 FLOPs over it, as bench_attention's. `--kernel dkdv` (or `dq`) replaces the other backward
 kernel by zeros, to time one kernel alone (the delta pass still runs); `--reduce-add-dq` runs
 the REDUCE_ADD_DQ experiment (dQ from the dK/dV kernel); `--registers` sets the consumer and
-producer warpgroups' registers. Set MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's registers and
+producer warpgroups' registers of the three Mosaic kernels. Set MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's registers and
 spills of each kernel.
 """
 
@@ -81,10 +81,13 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     from jattn._src.attention import pallas_mosaic_gpu_bwd as bwd
+    from jattn._src.attention import pallas_mosaic_gpu_fwd as fwd
 
     bwd.REDUCE_ADD_DQ = args.reduce_add_dq
     if args.registers:
-        bwd.CONSUMER_REGISTERS, bwd.PRODUCER_REGISTERS = map(int, args.registers.split(","))
+        for kernels in (fwd, bwd):  # (each reads its imported name when it is traced)
+            kernels.CONSUMER_REGISTERS, kernels.PRODUCER_REGISTERS = map(
+                int, args.registers.split(","))
     if args.kernel:
         _only_kernel(bwd, args.kernel)
     settings = {"kernel": args.kernel or "both", "reduce_add_dq": args.reduce_add_dq,

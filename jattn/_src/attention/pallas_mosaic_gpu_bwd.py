@@ -29,7 +29,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, ROW, SWIZZLE, BlockLists,
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, CONSUMER_REGISTERS,
+                                                           OPERAND_COLUMNS, PRODUCER_REGISTERS,
+                                                           ROW, BlockLists, float32_transforms,
                                                            heaviest_first, key_blocks,
                                                            load_vector, operand_transforms,
                                                            stream, tile_of)
@@ -49,14 +51,6 @@ DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
 # accumulator beside dK and dV's, where its own 64 keys would need [64, 128]); at 64 each takes
 # its own keys (half of 64 head dims is narrower than a shared-memory tile).
 REDUCE_ADD_DQ = False
-# Registers per thread of the consumer warpgroups and of the producer (the 64K of an SM).
-CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
-
-
-# Float32 staging in shared memory, swizzled as the 16-bit operand tiles are (a row of 32
-# float32 is the swizzle's 128 bytes): the register tile's stores avoid bank conflicts.
-_FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(SWIZZLE))
-SWIZZLE_ELEMENTS = SWIZZLE // 2  # columns of a 16-bit operand tile in shared memory
 
 
 def _split(refs, n_lists: int, n_captures: tuple[int, int], n_out: int):
@@ -208,7 +202,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
         refs, 4 if has_full else 2, n_captures, 3 if reduce_dq else 2)
     dq_accum_ref, dk_ref, dv_ref = outs if reduce_dq else (None, *outs)
     stages = DKDV_STAGES
-    split = p.E // CONSUMERS % SWIZZLE_ELEMENTS == 0  # dQ split by head dims (else by keys)
+    split = p.E // CONSUMERS % OPERAND_COLUMNS == 0  # dQ split by head dims (else by keys)
     dq_dims = p.E // CONSUMERS if split else p.E  # head dims of a consumer's dQ part
     block_q, bkv = BLOCK
     halves = block_q // QUERIES
@@ -354,7 +348,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
     # written dSᵀ and both have read it.
     staging = ((plgpu.SMEM((CONSUMERS, KEYS, QUERIES), dtype, transforms=transforms),
                 plgpu.SMEM((CONSUMERS, QUERIES, dq_dims), jnp.float32,
-                           transforms=_FLOAT32_TRANSFORMS),
+                           transforms=float32_transforms()),
                 plgpu.Barrier(num_arrivals=CONSUMERS), plgpu.Barrier(num_arrivals=CONSUMERS))
                if reduce_dq else ())
     pl.run_scoped(

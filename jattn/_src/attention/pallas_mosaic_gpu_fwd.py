@@ -24,9 +24,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import hardware
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (BlockLists, deals, heaviest_first,
-                                                           key_blocks, operand_transforms,
-                                                           stream, tile_of)
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (CONSUMER_REGISTERS,
+                                                           PRODUCER_REGISTERS, BlockLists,
+                                                           deals, heaviest_first, key_blocks,
+                                                           operand_transforms, stream, tile_of)
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 
@@ -82,7 +83,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
 
         @pl.when(wg < CONSUMERS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             lse_smem = lse_smem2.at[wg]
 
             def load_q(i):
@@ -189,7 +190,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
 
         @pl.when(wg == CONSUMERS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
             def one_tile(i, done):
                 b, h, row = tile(i)

@@ -17,11 +17,21 @@ from jattn._src.attention.common import Problem
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector along a register tile's rows (axis 0)
 COLUMN = plgpu.Layout.WGMMA.reduce(0)  # a vector along its columns (axis 1)
 SWIZZLE = 128  # bytes; with (8, 64)-element tiles, wgmma's operand layout in shared memory
+OPERAND_COLUMNS = SWIZZLE // 2  # a 16-bit operand tile's columns: one swizzle span
+# Registers per thread of the consumer warpgroups and of the producer (the SM's 64K).
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 def operand_transforms():
     """The shared-memory transforms of a 16-bit wgmma operand tile."""
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(SWIZZLE))
+    return (plgpu.TilingTransform((8, OPERAND_COLUMNS)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def float32_transforms():
+    """The shared-memory transforms of float32 staging, swizzled as the operand tiles are (a
+    row of SWIZZLE // 4 float32 is one swizzle span): a register tile's stores avoid bank
+    conflicts."""
+    return (plgpu.TilingTransform((8, SWIZZLE // 4)), plgpu.SwizzleTransform(SWIZZLE))
 
 
 def tile_of(p: Problem, order_ref, t, rows: int):
