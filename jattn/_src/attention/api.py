@@ -364,8 +364,7 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
     else:
         program, lists, score_caps, mask_caps = _prepare(
             q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-            (score_captures, mask_captures), max_scores=max_scores,
-            dropout_spec=(dropout.rate, dropout.shared))
+            (score_captures, mask_captures), max_scores=max_scores, dropout=dropout)
         out, lse, *largest = program.forward(q, k, v, lists, score_caps,
                                              with_seed(mask_caps, dropout.seed))
         largest = largest[0] if largest else None
@@ -392,7 +391,7 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-        (score_captures, mask_captures), dropout_spec=(dropout.rate, dropout.shared))
+        (score_captures, mask_captures), dropout=dropout)
     if differentiated is not None:
         differentiated = tuple(map(bool, differentiated))
     dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps,
@@ -432,15 +431,17 @@ def _compute_dtype(dtype) -> Any:
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
              precision_name, known_captures=((), ()), *, max_scores: bool = False,
-             dropout_spec: tuple[float, bool] = (0.0, False)):
+             dropout: Dropout = NO_DROPOUT):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
     arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
     replays that call's plan without tracing; otherwise `_traced_program`. known_captures:
     arrays the caller knows score_mod and mask_mod read, given the first slots. max_scores:
-    the program's forward also returns the rows' largest scores. dropout_spec: the program's
-    dropout (rate, shared); its forward then takes the seed after the mask_mod's captures.
+    the program's forward also returns the rows' largest scores. dropout: the call's; its
+    rate and sharing are the program's, whose forward then takes the seed after the mask_mod's
+    captures.
     """
     scale, precision_name = _canonical_options(q, config, scale, precision_name)
+    dropout_spec = (dropout.rate, dropout.shared)
     dense = block_mask is None
     state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
     key = _plan_key(q, k, v, state, known_captures, block_mask, scale, enable_gqa, config,
