@@ -48,11 +48,13 @@ def block_signature(B: int, Hkv: int, groups: int, L: int, block: int,
                    i32(1, 1, 1, 1, block))
 
 
-def _indices(p: Problem):
+def _indices(p: Problem, j):
+    """(b, h, q_idx, kv_idx) of key block j, broadcasting to [B, Hkv, G, L, block]."""
     b = jnp.arange(p.B, dtype=jnp.int32)[:, None, None, None, None]
     h = jnp.arange(p.Hq, dtype=jnp.int32).reshape(1, p.Hkv, p.groups, 1, 1)
     q = jnp.arange(p.L, dtype=jnp.int32)[None, None, None, :, None]
-    return b, h, q
+    kv = j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32)
+    return b, h, q, kv[None, None, None, None, :]
 
 
 def _blocked_kv(p: Problem, x: jax.Array) -> jax.Array:
@@ -76,9 +78,7 @@ def _rows_of(p: Problem, table: jax.Array) -> jax.Array:
 def _scores(p: Problem, mods: Mods, score_captures, mask_captures, qg, k_block, partial, full,
             j):
     """Raw and modded scores of one block and its keep mask."""
-    b, h, q = _indices(p)
-    kv = j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32)
-    kv = kv[None, None, None, None, :]
+    b, h, q, kv = _indices(p, j)
     raw = jnp.einsum("bhgle,bhke->bhglk", qg, k_block,
                      preferred_element_type=p.compute_dtype) * p.scale
     s = raw if mods.score is None else mods.score(score_captures, raw, b, h, q, kv)[0]
@@ -95,9 +95,7 @@ def _kept(p: Problem, seed, j):
     """The dropout mask of key block j [B, Hkv, G, L, block] (None without dropout)."""
     if seed is None:
         return None
-    b, h, q = _indices(p)
-    kv = (j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32))
-    return dropout.kept(p, seed[0], seed[1], b, h, q, kv[None, None, None, None])
+    return dropout.kept(p, seed[0], seed[1], *_indices(p, j))
 
 
 def _block_columns(lists: MaskLists):
@@ -218,9 +216,7 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
             dp = jnp.where(kept, dp * scale, 0.0)
         ds = jnp.where(read, prob * (dp - delta[..., None]), 0.0)
         if p.xla.score is not None:
-            b, h, q_idx = _indices(p)
-            kv = (j * p.mask_block[1] + jnp.arange(p.mask_block[1], dtype=jnp.int32))
-            kv = kv[None, None, None, None]
+            b, h, q_idx, kv = _indices(p, j)
 
             def mod(r, values):
                 return p.xla.score(with_learnable(values), r, b, h, q_idx, kv)[0]
