@@ -96,6 +96,14 @@ def test_weights_are_kept_at_one_minus_the_rate_independently_across_heads_and_b
     # neighbouring rows and keys are not correlated either
     assert abs(np.mean(kept[0, 0, 1:] == kept[0, 0, :-1]) - agree) < 0.02
     assert abs(np.mean(kept[0, 0, :, 1:] == kept[0, 0, :, :-1]) - agree) < 0.02
+    # a row's word and a key's word are combined per weight: the four corners of rectangles
+    # (two rows, two keys) are independent too, their xor odd at independent draws' rate
+    i, i2, j, j2 = np.random.default_rng(0).integers(0, 256, (4, 20000))
+    apart = (i != i2) & (j != j2)
+    tile = kept[1, 2].astype(np.int8)
+    odd = np.mean((tile[i, j] ^ tile[i, j2] ^ tile[i2, j] ^ tile[i2, j2])[apart])
+    want = (1 - (1 - 2 * rate) ** 4) / 2
+    assert abs(odd - want) < 5 * np.sqrt(want * (1 - want) / apart.sum()), (odd, want)
 
 
 def test_a_shared_mask_is_every_batch_and_heads():

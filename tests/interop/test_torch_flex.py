@@ -59,6 +59,44 @@ def _check_bitwise(dtype, device, implementation, *, length=L, head_dim=E, block
                                       np.asarray(g, np.float32), err_msg=f"d{name}")
 
 
+@pytest.mark.gpu
+def test_dropout_p_on_cuda_is_jattns_dropout_bit_for_bit():
+    """On CUDA the seed comes from the GPU's generator; out, LSE and gradients equal jattn's
+    dropout on the same seed (pallas_triton's kernels: Mosaic GPU's lack dropout)."""
+    from jattn._src import bridge
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(s, generator=gen).to(dtype=torch.bfloat16, device="cuda")
+               .requires_grad_() for s in [(B, HQ, 512, 64), (B, HKV, 512, 64),
+                                           (B, HKV, 512, 64)])
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, 512, 512,
+                                      device="cuda")
+    torch.manual_seed(3)
+    out, lse = jt.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                 return_lse=True, dropout_p=0.2)
+    d_out = torch.randn(out.shape, generator=gen).to(out)
+    torch.autograd.backward(out, d_out)
+    torch.manual_seed(3)
+    seed = torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32, device="cuda")
+    jmask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 512, 512)
+
+    def run(q, k, v):
+        return bridge.flex_attention(q, k, v, None, jmask, enable_gqa=True, return_lse=True,
+                                     dropout=bridge.Dropout(0.2, jax.dlpack.from_dlpack(seed)))
+
+    arrays = [jax.dlpack.from_dlpack(x.detach()) for x in (q, k, v, d_out)]
+    expected = jax.jit(run)(*arrays[:3])
+    grads = jax.jit(lambda q, k, v, do: jax.vjp(run, q, k, v)[1](
+        (do, jnp.zeros(expected[1].shape, expected[1].dtype))))(*arrays)
+    for name, tensor, array in (("out", out, expected[0]), ("lse", lse, expected[1]),
+                                ("dq", q.grad, grads[0]), ("dk", k.grad, grads[1]),
+                                ("dv", v.grad, grads[2])):
+        np.testing.assert_array_equal(tensor.detach().float().cpu().numpy(),
+                                      np.asarray(array, np.float32), err_msg=name)
+    assert (out != 0).any() and not torch.equal(out, jt.flex_attention(
+        q, k, v, block_mask=block_mask, enable_gqa=True))
+
+
 def test_bitwise_equal_to_jattn():
     _check_bitwise(torch.float32, "cpu", "xla")
 

@@ -5,10 +5,13 @@ so every implementation draws the same mask, block by block, without storing it:
 recomputes it where it recomputes P. The seed is the two uint32 words of the caller's JAX PRNG
 key (drawn from it for implementations whose keys hold more); the kernels read it as the last
 of the mask_mod's captured arrays (`with_seed`, `split`), so it travels wherever those do.
-The hash: murmur3's 32-bit finaliser (a bijection with full avalanche) of a per-(b, h) key,
-then of each row's, plus the key position times an odd constant; int32 arithmetic that wraps
-and logical shifts, which XLA, Triton and the Pallas interpreter compute alike. A weight is
-kept where the hash's top 31 bits reach round(rate · 2³¹).
+The hash: murmur3's 32-bit finaliser (a bijection with full avalanche) gives a per-(b, h)
+key, and from it one word per row and one per key position; a weight's bits are those two
+words xored and mixed by a shortened finaliser (multiply, xorshift, multiply), so that a score
+tile spends six integer operations a weight where a full finaliser of the four positions
+spends eleven: the hash, not the products, bounds a kernel with dropout on the H100 and H200.
+int32 arithmetic that wraps and logical shifts, which XLA, Triton and the Pallas interpreter
+compute alike. A weight is kept where the hash, unsigned, reaches round(rate · 2³²).
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ def split(p, mask_captures):
 
 
 def threshold(rate: float) -> int:
-    """Kept where the hash's top 31 bits are >= this."""
-    return min(round(rate * 2 ** 31), 2 ** 31 - 1)
+    """Kept where the hash, unsigned, is >= this."""
+    return min(round(rate * 2 ** 32), 2 ** 32 - 1)
 
 
 def _mix(x):
@@ -102,9 +105,13 @@ def kept(p, seed0, seed1, b, h, q_idx, kv_idx):
     if p.dropout_shared:
         b = h = jnp.int32(0)
     head = _mix(seed0 ^ _mix(seed1 + (b * jnp.int32(p.Hq) + h) * jnp.int32(_GOLDEN)))
+    # per row and per key position: vectors in a kernel's tile, mixed once each
     row = _mix(head ^ (q_idx * jnp.int32(_MIX2)))
-    bits = _mix(row + kv_idx * jnp.int32(_GOLDEN))
-    return lax.shift_right_logical(bits, jnp.int32(1)) >= jnp.int32(threshold(p.dropout))
+    column = _mix((head ^ jnp.int32(_GOLDEN)) + kv_idx * jnp.int32(_GOLDEN))
+    bits = (row ^ column) * jnp.int32(_MIX1)
+    bits = (bits ^ lax.shift_right_logical(bits, jnp.int32(15))) * jnp.int32(_MIX2)
+    return (lax.convert_element_type(bits, jnp.uint32)
+            >= jnp.uint32(threshold(p.dropout)))
 
 
 def weights_scale(p) -> float:
