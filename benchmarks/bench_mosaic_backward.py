@@ -6,8 +6,9 @@
 Backward time = time(forward + vjp) - time(forward), with a random cotangent (a constant one
 lets the tensor cores run cooler and faster, on both sides); TFLOP/s are 2.5x the forward's
 FLOPs over it, as bench_attention's. `--kernel dkdv` (or `dq`) replaces the other backward
-kernel by zeros, to time one kernel alone (the delta pass still runs); `--reduce-add-dq` runs
-the REDUCE_ADD_DQ experiment (dQ from the dK/dV kernel); `--registers` sets the consumer and
+kernel by zeros, to time one kernel alone (the delta pass still runs). Where flex_attention(deterministic=False) runs
+other kernels (dQ reduce-added by the dK/dV kernel: REDUCE_ADD_HEAD_DIMS, head dim 64), it is
+timed too; `--reduce-add-dq` does so at head dim 128 as well. `--registers` sets the consumer and
 producer warpgroups' registers of the three Mosaic kernels. Set MOSAIC_GPU_DUMP_PTXAS=1 to see ptxas's registers and
 spills of each kernel.
 """
@@ -26,6 +27,8 @@ import numpy as np
 
 import jattn
 from benchmarks import record, shapes
+from jattn._src.attention import pallas_mosaic_gpu_bwd as bwd
+from jattn._src.attention import pallas_mosaic_gpu_fwd as fwd
 from benchmarks.timing import time_jax, warm_up
 
 KERNELS = {"dkdv": "jattn_mosaic_bwd_dkdv", "dq": "jattn_mosaic_bwd_dq"}
@@ -62,13 +65,21 @@ def bench_case(name, B, H, L, D, causal: bool) -> dict:
             for _ in range(3)]
     mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L) if causal else None
     flops = 4 * B * H * L * L * D * ((L + 128) / (2 * L) if causal else 1.0)
-    row = {"case": name, "mask": "causal" if causal else "full",
-           "mosaic": _backward_tflops(lambda q, k, v: jattn.flex_attention(
-               q, k, v, block_mask=mask, implementation="pallas_mosaic_gpu"), sets, flops)}
+
+    def mosaic(deterministic):
+        return _backward_tflops(lambda q, k, v: jattn.flex_attention(
+            q, k, v, block_mask=mask, implementation="pallas_mosaic_gpu",
+            deterministic=deterministic), sets, flops)
+
+    row = {"case": name, "mask": "causal" if causal else "full", "mosaic": mosaic(True)}
+    if D in bwd.REDUCE_ADD_HEAD_DIMS:
+        row["nondeterministic"] = mosaic(False)
     blhd = [[jnp.swapaxes(x, 1, 2) for x in s] for s in sets]
     row["cudnn"] = _backward_tflops(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn"), blhd, flops)
-    row["bwd_vs_cudnn"] = row["mosaic"]["bwd"] / row["cudnn"]["bwd"]
+    for kind in ("mosaic", "nondeterministic"):
+        if kind in row:
+            row[f"{kind}_bwd_vs_cudnn"] = row[kind]["bwd"] / row["cudnn"]["bwd"]
     return row
 
 
@@ -80,17 +91,16 @@ def main():
     parser.add_argument("--registers", help="consumer,producer registers per thread")
     parser.add_argument("--json")
     args = parser.parse_args()
-    from jattn._src.attention import pallas_mosaic_gpu_bwd as bwd
-    from jattn._src.attention import pallas_mosaic_gpu_fwd as fwd
-
-    bwd.REDUCE_ADD_DQ = args.reduce_add_dq
+    if args.reduce_add_dq:
+        bwd.REDUCE_ADD_HEAD_DIMS = (64, 128)
     if args.registers:
         for kernels in (fwd, bwd):  # (each reads its imported name when it is traced)
             kernels.CONSUMER_REGISTERS, kernels.PRODUCER_REGISTERS = map(
                 int, args.registers.split(","))
     if args.kernel:
         _only_kernel(bwd, args.kernel)
-    settings = {"kernel": args.kernel or "both", "reduce_add_dq": args.reduce_add_dq,
+    settings = {"kernel": args.kernel or "both",
+                "reduce_add_head_dims": list(bwd.REDUCE_ADD_HEAD_DIMS),
                 "registers": [bwd.CONSUMER_REGISTERS, bwd.PRODUCER_REGISTERS]}
     print(f"device: {jax.devices()[0].device_kind}; {settings}")
     warm_up()
@@ -104,8 +114,10 @@ def main():
             record.write(args.json, rows, settings=settings)
             print(f"{name:>20} {row['mask']:>6}: mosaic {row['mosaic']['fwd']:6.1f}/"
                   f"{row['mosaic']['bwd']:6.1f}  cudnn {row['cudnn']['fwd']:6.1f}/"
-                  f"{row['cudnn']['bwd']:6.1f}  bwd x cuDNN {row['bwd_vs_cudnn']:.2f}",
-                  flush=True)
+                  f"{row['cudnn']['bwd']:6.1f}  bwd x cuDNN {row['mosaic_bwd_vs_cudnn']:.2f}"
+                  + (f"  deterministic=False {row['nondeterministic']['bwd']:6.1f} "
+                     f"({row['nondeterministic_bwd_vs_cudnn']:.2f}x cuDNN)"
+                     if "nondeterministic" in row else ""), flush=True)
 
 
 if __name__ == "__main__":

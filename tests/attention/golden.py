@@ -13,10 +13,11 @@ from tests.helpers import (assert_close, golden, low_precision, map_reference, r
 
 
 def check_against_golden(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True,
-                         seed=0, config=None):
+                         seed=0, config=None, deterministic=True):
     """Output, LSE and random-cotangent gradients (q, k, v) against the golden."""
     run = functools.partial(jattn.flex_attention, score_mod=score_mod, block_mask=block_mask,
-                            enable_gqa=True, return_lse=True, config=config, implementation=impl)
+                            enable_gqa=True, return_lse=True, config=config, implementation=impl,
+                            deterministic=deterministic)
     ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask)
     out, lse = jax.jit(run)(q, k, v)
     gold_out, gold_lse = golden(ref, q, k, v)

@@ -270,6 +270,23 @@ def test_deterministic_and_transformations(impl):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_deterministic_false_changes_nothing_where_every_kernel_is_deterministic(impl):
+    """deterministic=False permits, and only pallas_mosaic_gpu at head dim 64 takes it
+    (tests/attention/test_mosaic_gpu.py): elsewhere the same results. A non-bool raises
+    naming the argument."""
+    rng = np.random.default_rng(9)
+    q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 16, 16, jnp.float32)
+    cotangent = random(rng, q.shape)
+    results = [random_cotangent_vjp(functools.partial(
+        jattn.flex_attention, config=SMALL, implementation=impl,
+        deterministic=deterministic), (q, k, v), cotangent) for deterministic in (True, False)]
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match="`deterministic` must be True or False, got 'no'"):
+        jattn.flex_attention(q, k, v, deterministic="no")
+
+
 def test_nan_propagates():
     q = jnp.ones((1, 1, 32, 16)).at[0, 0, 3, 0].set(jnp.nan)
     out = jattn.flex_attention(q, jnp.ones((1, 1, 32, 16)), jnp.ones((1, 1, 32, 16)),

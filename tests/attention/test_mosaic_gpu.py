@@ -470,22 +470,22 @@ def test_output_lse_and_gradients_match_a_float64_golden(name):
 @pytest.mark.parametrize("name", ["full bf16 d128", "causal fp16 d64 gqa", "window softcap",
                                   "documents head bias"])
 def test_dq_reduce_added_by_the_dkdv_kernel_matches_the_golden(monkeypatch, request, name):
-    """The REDUCE_ADD_DQ experiment: dQ split over the consumers by head dims at 128, by keys
-    at 64."""
+    """deterministic=False: dQ reduce-added by the dK/dV kernel, split over the consumers by
+    keys at head dim 64 and (reached by REDUCE_ADD_HEAD_DIMS alone) by head dims at 128."""
     from jattn._src.attention import pallas_mosaic_gpu_bwd
 
-    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_DQ", True)
+    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_HEAD_DIMS", (64, 128))
     jattn.clear_caches()  # programs planned under the other setting
     request.addfinalizer(jattn.clear_caches)
-    _check_case(name)
+    _check_case(name, deterministic=False)
 
 
-def _check_case(name):
+def _check_case(name, deterministic=True):
     B, Hq, Hkv, L, E, dtype, score_mod, mask_mod = CASES[name]
     q, k, v = _inputs(B, Hq, Hkv, L, E, dtype)
     # Per batch row: some masks differ between rows (document ids of each).
     block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, None, L, L)
-    check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)
+    check_against_golden(MOSAIC, q, k, v, score_mod, block_mask, deterministic=deterministic)
     if name == "empty rows":
         out = jattn.flex_attention(q, k, v, score_mod, block_mask, implementation=MOSAIC)
         assert np.all(np.asarray(out)[:, :, :128] == 0)
@@ -548,21 +548,24 @@ def test_captured_arrays_are_read_at_each_call():
         check_against_golden(MOSAIC, q, k, v, score_mod, block_mask)
 
 
-@pytest.mark.parametrize("kv_batch, score_mod, reduce_add_dq, mosaic_kernels, E", [
-    (2, None, False, 3, 128),
-    (2, jattn.mods.alibi(_SLOPES), False, 3, 128),  # its gradient reads the slopes too
-    # dQ reduce-added by the dK/dV kernel: split by head dims at 128, by keys at 64
-    (2, jattn.mods.alibi(_SLOPES), True, 2, 128),
-    (2, None, True, 2, 64),
-    (1, None, False, 1, 128),  # a broadcast k/v batch: pallas_triton's backward, fp32 per batch
+@pytest.mark.parametrize("kv_batch, score_mod, deterministic, head_dims, mosaic_kernels, E", [
+    (2, None, True, (64,), 3, 128),
+    (2, jattn.mods.alibi(_SLOPES), True, (64,), 3, 128),  # its gradient reads the slopes too
+    # deterministic=False: dQ reduce-added by the dK/dV kernel, by keys at 64
+    (2, None, False, (64,), 2, 64),
+    (2, None, True, (64,), 3, 64),
+    (2, jattn.mods.alibi(_SLOPES), False, (64,), 3, 128),  # not at 128 by default
+    (2, jattn.mods.alibi(_SLOPES), False, (64, 128), 2, 128),  # split by head dims there
+    (1, None, False, (64,), 1, 128),  # a broadcast k/v batch: pallas_triton's backward
 ])
 def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, monkeypatch,
                                                              request, kv_batch, score_mod,
-                                                             reduce_add_dq, mosaic_kernels, E):
+                                                             deterministic, head_dims,
+                                                             mosaic_kernels, E):
     pytest.importorskip("absl")
     from jattn._src.attention import pallas_mosaic_gpu_bwd
 
-    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_DQ", reduce_add_dq)
+    monkeypatch.setattr(pallas_mosaic_gpu_bwd, "REDUCE_ADD_HEAD_DIMS", head_dims)
     jattn.clear_caches()  # programs planned under the other setting
     request.addfinalizer(jattn.clear_caches)
     B, Hq, L = 2, 4, 512
@@ -571,7 +574,7 @@ def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, mo
     def gradients(q, k, v):
         def attention(q, k, v):
             return jattn.flex_attention(q, k, v, score_mod, block_mask, enable_gqa=True,
-                                        implementation=MOSAIC)
+                                        implementation=MOSAIC, deterministic=deterministic)
         return jax.vjp(attention, q, k, v)[1](jnp.ones((B, Hq, L, E), jnp.bfloat16))
 
     text = lower_for_cuda(gradients, _spec(B, Hq, L, E), _spec(kv_batch, 2, L, E),

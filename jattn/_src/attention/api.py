@@ -266,7 +266,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    return_lse: bool = False, config: AttentionConfig | None = None,
                    implementation: str | None = None, precision: str | None = None,
                    sinks: jax.Array | None = None, return_max_scores: bool = False,
-                   dropout_rate: float = 0.0, dropout_key: jax.Array | None = None):
+                   dropout_rate: float = 0.0, dropout_key: jax.Array | None = None,
+                   deterministic: bool = True):
     """softmax(score_mod(scale · q·kᵀ) where block_mask/mask_mod allow) · v.
 
     Args:
@@ -303,6 +304,13 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         implementation for a given key, regenerated in the backward (nothing of size L x S is
         stored). The LSE is the softmax's, before dropout. The pallas_mosaic_gpu kernels do
         not apply it: such a call runs on pallas_triton.
+      deterministic: True (default) makes the gradients bitwise equal from run to run. False
+        lets the backward add partial sums in the order they arrive where that is faster:
+        the pallas_mosaic_gpu backward at head dim 64 then computes dQ inside its dK/dV
+        kernel with TMA reduce-adds into a float32 accumulator (five matrix products where
+        its two deterministic kernels take seven; 1.13x faster on the H200,
+        benchmarks/RESULTS.md), and the gradients' last bits vary between runs. No effect
+        elsewhere.
 
     Returns:
       out [B, Hq, L, Ev] of q's dtype; with return_lse also the float32 LSE [B, Hq, L] (float64
@@ -336,7 +344,8 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                           precision=precision,
                                           return_max_scores=return_max_scores,
                                           dropout=checked_dropout(_OP, dropout_rate,
-                                                                  dropout_key))
+                                                                  dropout_key),
+                                          deterministic=deterministic)
     if sinks is None:
         return result
     out, lse, *largest = result  # (the sinks are not keys: the largest scores stand)
@@ -349,10 +358,11 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
                                  score_captures=(), mask_captures=(), scale=None,
                                  enable_gqa=False, return_lse=False, config=None,
                                  implementation=None, precision=None, return_max_scores=False,
-                                 dropout: Dropout = NO_DROPOUT):
+                                 dropout: Dropout = NO_DROPOUT, deterministic: bool = True):
     """flex_attention, told which arrays score_mod and the mask_mod read (the torch ops know):
     the program takes them first, in this order, as `flex_attention_backward` does. dropout:
-    the call's checked dropout (`attention.dropout.checked_dropout`)."""
+    the call's checked dropout (`attention.dropout.checked_dropout`); deterministic: as
+    flex_attention's."""
     if not (isinstance(q, jax.Array) and isinstance(k, jax.Array) and isinstance(v, jax.Array)):
         q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
@@ -364,7 +374,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
     else:
         program, lists, score_caps, mask_caps = _prepare(
             q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-            (score_captures, mask_captures), max_scores=max_scores, dropout=dropout)
+            (score_captures, mask_captures), max_scores=max_scores, dropout=dropout,
+            deterministic=deterministic)
         out, lse, *largest = program.forward(q, k, v, lists, score_caps,
                                              with_seed(mask_caps, dropout.seed))
         largest = largest[0] if largest else None
@@ -375,7 +386,8 @@ def flex_attention_with_captures(q, k, v, score_mod=None, block_mask=None, *,
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, block_mask=None, *,
                             score_captures=(), mask_captures=(), scale=None, enable_gqa=False,
                             config=None, implementation=None, precision=None,
-                            differentiated=None, dropout: Dropout = NO_DROPOUT):
+                            differentiated=None, dropout: Dropout = NO_DROPOUT,
+                            deterministic: bool = True):
     """Gradients of `flex_attention_with_captures(q, k, v, score_mod, block_mask,
     score_captures=..., mask_captures=..., return_lse=True)` from its saved outputs (out, lse)
     and their cotangents, without running the forward again: the backward `jax.vjp` runs, of
@@ -386,12 +398,13 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     Returns (dq, dk, dv, d_score_captures): for each of `score_captures`, in order, its gradient
     (zeros if score_mod does not read it), or None if it is not floating point or
     `differentiated` (a bool per score capture; default: every floating one) leaves it out:
-    a captured array's gradient costs a pass of its own. dropout: the forward's.
+    a captured array's gradient costs a pass of its own. dropout: the forward's;
+    deterministic: as flex_attention's.
     """
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
-        (score_captures, mask_captures), dropout=dropout)
+        (score_captures, mask_captures), dropout=dropout, deterministic=deterministic)
     if differentiated is not None:
         differentiated = tuple(map(bool, differentiated))
     dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps,
@@ -431,21 +444,24 @@ def _compute_dtype(dtype) -> Any:
 
 def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation,
              precision_name, known_captures=((), ()), *, max_scores: bool = False,
-             dropout: Dropout = NO_DROPOUT):
+             dropout: Dropout = NO_DROPOUT, deterministic: bool = True):
     """The checked call's program: (program, mask lists, score_mod's and mask_mod's captured
     arrays). An eager call whose mods read what an earlier one's read (guards.read_state)
     replays that call's plan without tracing; otherwise `_traced_program`. known_captures:
     arrays the caller knows score_mod and mask_mod read, given the first slots. max_scores:
     the program's forward also returns the rows' largest scores. dropout: the call's; its
     rate and sharing are the program's, whose forward then takes the seed after the mask_mod's
-    captures.
+    captures. deterministic: flex_attention's, checked here.
     """
     scale, precision_name = _canonical_options(q, config, scale, precision_name)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"flex_attention: `deterministic` must be True or False, got "
+                        f"{deterministic!r}.")
     dropout_spec = (dropout.rate, dropout.shared)
     dense = block_mask is None
     state = guards.read_state(score_mod, None if dense else block_mask.mask_mod)
     key = _plan_key(q, k, v, state, known_captures, block_mask, scale, enable_gqa, config,
-                    implementation, precision_name, max_scores, dropout_spec)
+                    implementation, precision_name, max_scores, dropout_spec, deterministic)
     plan = None if key is None else _PLANS.get(key)
     if plan is not None:
         return plan.replayed(block_mask, state)
@@ -453,7 +469,7 @@ def _prepare(q, k, v, score_mod, block_mask, scale, enable_gqa, config, implemen
         block_mask = _full_block_mask(q.shape[2], k.shape[2])
     program, score_caps, mask_caps = _traced_program(
         q, k, v, score_mod, block_mask, dense, scale, config, implementation, precision_name,
-        known_captures, max_scores, dropout_spec)
+        known_captures, max_scores, dropout_spec, deterministic)
     lists = block_mask.lists()
     if key is not None:
         _remember_plan(key, program, state, score_caps, mask_caps, lists if dense else None)
@@ -522,7 +538,7 @@ def _static_fields(block_mask: BlockMask) -> tuple:
 
 
 def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implementation,
-                    precision_name, known_captures, max_scores, dropout_spec):
+                    precision_name, known_captures, max_scores, dropout_spec, deterministic):
     """The slow path: (program, score captures, mask captures) of a call, its mods traced."""
     (B, Hq, L, E), (Bk, Hkv, S, _), Ev = q.shape, k.shape, v.shape[-1]
     if score_mod is not None and returns_its_score(score_mod, _compute_dtype(q.dtype)):
@@ -549,7 +565,7 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
         max_scores=max_scores, dropout=dropout_spec[0] > 0)
     key = (q.shape, k.shape, v.shape, q.dtype, scale, precision_name, implementation, config,
            dense, block_mask.block_size, block_mask.shape, lists.has_full, max_scores,
-           dropout_spec, *mod_keys)
+           dropout_spec, deterministic, *mod_keys)
     program = _PROGRAMS.get(key)
     if program is None:
         found = len(score_set.captures), len(mask_set.captures)
@@ -560,7 +576,7 @@ def _traced_program(q, k, v, score_mod, block_mask, dense, scale, config, implem
                           config=None, fwd=xla_mods, bwd=xla_mods, dkdv=xla_mods, xla=xla_mods,
                           dense=dense, compute_dtype=_compute_dtype(q.dtype),
                           max_scores=max_scores, dropout=dropout_spec[0],
-                          dropout_shared=dropout_spec[1])
+                          dropout_shared=dropout_spec[1], deterministic=deterministic)
         problem = implementation.module.specialise(
             problem, score_mod=score_mod, mask_mod=mask_mod, score_set=score_set,
             mask_set=mask_set, block_mask=block_mask, config=config)

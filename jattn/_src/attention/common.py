@@ -66,6 +66,7 @@ class Problem:
     max_scores: bool = False  # the forward also returns each row's largest score
     dropout: float = 0.0  # the rate of dropout of the attention weights (attention.dropout)
     dropout_shared: bool = False  # one dropout mask for every batch and head
+    deterministic: bool = True  # gradients bitwise repeatable (flex_attention's argument)
     # The Mosaic GPU backward's mods (dQ tile, dK/dV tile) where it runs; None: pallas_triton's
     mosaic_backward: tuple[Mods, Mods] | None = None
     # Why the backward runs on pallas_triton's kernels behind another forward (`explain`)

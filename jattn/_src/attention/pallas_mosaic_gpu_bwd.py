@@ -43,14 +43,22 @@ KEYS = 64  # keys per consumer warpgroup in the dK/dV kernel
 QUERIES = 64  # queries per dK/dV step: half a BlockMask block
 DQ_STAGES = {64: 3, 128: 2}  # K/V slots of the dQ kernel by head dim (shared memory)
 DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
-# An experiment not offered through the API: dQ from the dK/dV kernel (five products where the
-# two kernels run seven, but the reduce-adds' order, and so the rounding, varies between
-# runs). Each step, each consumer stages dSᵀ in shared memory, multiplies the step's dS by K and
-# reduce-adds that part by TMA into a float32 accumulator. At head dim 128 the two consumers
-# split the product by head dims, each over all 128 keys (FlashAttention-3's split: a [64, 64]
-# accumulator beside dK and dV's, where its own 64 keys would need [64, 128]); at 64 each takes
-# its own keys (half of 64 head dims is narrower than a shared-memory tile).
-REDUCE_ADD_DQ = False
+# With flex_attention(deterministic=False), dQ comes from the dK/dV kernel at these head dims:
+# five products where the two kernels run seven, but the reduce-adds' order, and so the
+# rounding, varies between runs. Each step, each consumer stages dSᵀ in shared memory,
+# multiplies the step's dS by K and reduce-adds that part by TMA into a float32 accumulator.
+# At head dim 128 the two consumers split the product by head dims, each over all 128 keys
+# (FlashAttention-3's split: a [64, 64] accumulator beside dK and dV's, where its own 64 keys
+# would need [64, 128]); at 64 each takes its own keys (half of 64 head dims is narrower than
+# a shared-memory tile). Measured on the H200 (benchmarks/RESULTS.md): 1.13x the two kernels
+# at head dim 64, 0.73x at 128, which stays with them (`bench_mosaic_backward
+# --reduce-add-dq` times both head dims).
+REDUCE_ADD_HEAD_DIMS = (64,)
+
+
+def reduces_dq(p: Problem) -> bool:
+    """Whether the call's dQ is reduce-added by the dK/dV kernel (no dQ kernel)."""
+    return not p.deterministic and p.E in REDUCE_ADD_HEAD_DIMS
 
 
 def _split(refs, n_lists: int, n_captures: tuple[int, int], n_out: int):
@@ -197,7 +205,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
                  has_full: bool, n_captures, fns, dtype, reduce_dq: bool):
     # With reduce_dq, the inputs end with dq_accum [B, Hq, L, E] float32, which each step's
-    # dQ part is added into by a TMA reduce-add (REDUCE_ADD_DQ says which part).
+    # dQ part is added into by a TMA reduce-add (REDUCE_ADD_HEAD_DIMS says which part).
     list_refs, order_ref, score_refs, mask_refs, outs = _split(
         refs, 4 if has_full else 2, n_captures, 3 if reduce_dq else 2)
     dq_accum_ref, dk_ref, dv_ref = outs if reduce_dq else (None, *outs)
@@ -398,7 +406,7 @@ def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_ca
         launch, out_type=[out_struct(k.shape, k.dtype, dkdv_inputs[0]),
                           out_struct(v.shape, v.dtype, dkdv_inputs[0])],
         grid=(p.B * p.Hkv, p.S // BLOCK[1]), grid_names=("heads", "columns"))
-    if REDUCE_ADD_DQ:
+    if reduces_dq(p):
         dq_accum = jax.new_ref(jnp.zeros(q.shape, jnp.float32))
         dk, dv = dkdv(functools.partial(_dkdv_kernel, fns=fns_dkdv, reduce_dq=True, **common),
                       "jattn_mosaic_bwd_dkdv_dq")(*dkdv_inputs, dq_accum)
