@@ -11,7 +11,8 @@ import pytest
 
 import jattn
 from jattn._src.attention.reference import attention_reference
-from tests.helpers import IMPLEMENTATIONS, assert_close, golden, low_precision, random
+from tests.helpers import (IMPLEMENTATIONS, assert_close, golden, low_precision,
+                           map_reference, random)
 
 B, Hq, Hkv, L, S, E = 1, 4, 2, 40, 72, 16  # GQA; lengths not multiples of the blocks
 
@@ -61,6 +62,49 @@ def test_jvp_of_output_and_lse_equals_the_references(impl):
     for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
                              jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
         assert_close(x, g, r, what=name)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("moving", ["qkv", "q", "kv"])
+def test_tangent_kernel_equals_the_references(impl, moving):
+    """No captured array moves, so the kernel implementations take the tangents in their own
+    kernel (`pallas_triton_jvp`): a softcap over a fixed table's bias (the mod's derivative
+    in the kernel), the window's partial and full blocks, GQA, ragged lengths, and a row that
+    attends to nothing (its tangents zero)."""
+    _, (q, k, v, table), tangents = _inputs(6)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return 8.0 * jnp.tanh((score + table[h, kv_idx]) / 8.0)
+
+    def window(b, h, q_idx, kv_idx):  # row 5 attends to nothing
+        return (jnp.abs(q_idx - kv_idx) < 24) & (q_idx != 5)
+
+    block_mask = jattn.create_block_mask(window, None, None, L, S, block_size=16)
+    which = ["qkv".index(name) for name in moving]
+
+    def call(attention):
+        def f(*moved):
+            args = [q, k, v]
+            for i, x in zip(which, moved):
+                args[i] = x
+            return attention(*args, score_mod, block_mask)
+        return lambda: jax.jvp(f, tuple((q, k, v)[i] for i in which),
+                               tuple(tangents[i] for i in which))
+
+    ours = call(lambda *a: jattn.flex_attention(*a, enable_gqa=True, return_lse=True,
+                                                implementation=impl))
+    got = jax.jit(ours)()
+    if impl != "xla":
+        assert "jattn_flex_jvp" in str(jax.make_jaxpr(ours)())
+    reference = call(attention_reference)
+    gold, low = golden(reference), low_precision(reference)
+    attended = np.arange(L) != 5  # (row 5's LSE is -inf, its tangents zero)
+    for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
+                             jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
+        assert_close(x[:, :, attended], g[:, :, attended],
+                     map_reference(lambda y: y[:, :, attended], r), what=name)
+    for tangent in got[1]:
+        assert np.all(np.asarray(tangent)[:, :, 5] == 0)
 
 
 def test_jvp_of_some_inputs_only_and_of_an_integer_capture():

@@ -69,3 +69,25 @@ def test_dropout_lowers(as_if_on_gpu):
 
     text = lower_for_cuda(gradients, *[_spec(1, 4, 384, 64)] * 3, jax.random.key(0))
     assert all(f"jattn_flex_{name}" in text for name in ("fwd", "bwd_dq", "bwd_dkdv"))
+
+
+@pytest.mark.parametrize("E", [128, 64])
+def test_forward_mode_tangent_kernel_lowers(as_if_on_gpu, E):
+    """jax.jvp runs jattn_flex_jvp (not the XLA JVP) where no captured array moves: a softcap
+    score_mod (its derivative inside the kernel), a table it reads, a causal BlockMask, GQA,
+    dropout, tangents of q and v only."""
+    table = jnp.zeros((8, 255))
+
+    def tangents(q, k, v, dq, dv, key):
+        def attention(q, v):
+            mod = lambda s, b, h, qi, ki: jattn.mods.softcap(20.0)(
+                s + table[h, (ki - qi) % 255], b, h, qi, ki)
+            return jattn.flex_attention(q, k, v, mod, mask, enable_gqa=True, return_lse=True,
+                                        implementation="pallas_triton", dropout_rate=0.1,
+                                        dropout_key=key)
+        return jax.jvp(attention, (q, v), (dq, dv))[1]
+
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 1000, 1000)
+    q, kv = _spec(2, 8, 1000, E), _spec(2, 2, 1000, E)
+    text = lower_for_cuda(tangents, q, kv, kv, q, kv, jax.random.key(0))
+    assert "jattn_flex_jvp" in text and "jattn_flex_fwd" in text

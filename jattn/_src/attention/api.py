@@ -185,27 +185,10 @@ _flex.defjvp(_flex_jvp, symbolic_zeros=True)
 
 
 def _tangents(p: Problem, residuals, linear):
-    """The outputs' tangents from the inputs' (None: not differentiated): the JVP of the XLA
-    forward (a scan over key blocks). The rows' largest scores have none, as in the
-    backward."""
-    q, k, v, lists, score_caps, mask_caps, *_ = residuals
-    d_caps = linear[3]
-    moving = [i for i, t in enumerate(linear[:3]) if t is not None]
-    learnable = [i for i, t in enumerate(d_caps) if t is not None]
-
-    def forward(operands, captures):
-        qkv, caps = [q, k, v], list(score_caps)
-        for i, x in zip(moving, operands):
-            qkv[i] = x
-        for i, x in zip(learnable, captures):
-            caps[i] = x
-        with precision.applied(p.precision):
-            return xla.forward(p, *qkv, lists, caps, mask_caps)
-
-    primals = ([(q, k, v)[i] for i in moving], [score_caps[i] for i in learnable])
-    _, tangents = jax.jvp(forward, primals,
-                          ([linear[i] for i in moving], [d_caps[i] for i in learnable]))
-    return (*tangents[:2], *(jnp.zeros_like(t) for t in tangents[2:]))
+    """The outputs' tangents from the inputs' (None: not differentiated), by the
+    implementation's `tangents`. The rows' largest scores have none, as in the backward."""
+    with precision.applied(p.precision):
+        return p.implementation.module.tangents(p, residuals, linear)
 
 
 def _transposed(p: Problem, moving, differentiated, residuals, cotangents):

@@ -95,6 +95,9 @@ class AttentionBackend(Protocol):
     def backward(self, p: Problem, res, d_out, d_lse):
         """(dq, dk, dv, the score_mod's captured arrays' gradients) of the residuals."""
 
+    def tangents(self, p: Problem, residuals, linear):
+        """The outputs' tangents (forward mode) from the inputs' (None where zero)."""
+
 
 # Scores are float32 and the softmax's exponent is computed with fused multiply-adds, which
 # round differently from the scores' own product: |scale| above 2**20 leaves an ordinary q·k

@@ -183,6 +183,11 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
                           _kernel_mod(mods.mask, avals[len(score_caps):], (p.L, p.S)))
 
 
+def tangents(p: Problem, residuals, linear):
+    """The outputs' tangents: pallas_triton's kernel (p carries its config and mods)."""
+    return pallas_triton.tangents(p, residuals, linear)
+
+
 def backward(p: Problem, res, d_out, d_lse):
     """(dq, dk, dv, d_score_captures) of the residuals `res` (attention.api)."""
     if p.mosaic_backward is None:

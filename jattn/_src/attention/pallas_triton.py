@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jattn._src.attention import pallas_triton_bwd, pallas_triton_fwd, pallas_triton_split_kv, xla
+import jax.numpy as jnp
+
+from jattn._src.attention import (pallas_triton_bwd, pallas_triton_fwd, pallas_triton_jvp,
+                                  pallas_triton_split_kv, xla)
 from jattn._src.attention.common import Problem, tile_signature, trace_mods
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.split_kv import MAX_DECODE_QUERIES, make_problem
@@ -60,6 +63,17 @@ def backward(p: Problem, res, d_out, d_lse):
                                             res.score_captures, res.mask_captures, res.out,
                                             res.lse, d_out, d_lse)
     return dq, dk, dv, captured_gradients(p, res, d_out, d_lse)
+
+
+def tangents(p: Problem, residuals, linear):
+    """The outputs' tangents as `xla.tangents`: `pallas_triton_jvp`'s kernel, or the XLA JVP
+    where a captured array of the score_mod moves (its tangent enters every score)."""
+    if any(t is not None for t in linear[3]):
+        return xla.tangents(p, residuals, linear)
+    q, k, v, lists, score_caps, mask_caps, out, lse = residuals
+    d_out, d_lse = pallas_triton_jvp.tangents(p, q, k, v, *linear[:3], lists, score_caps,
+                                              mask_caps, out, lse)
+    return (d_out, d_lse, *([jnp.zeros_like(lse)] if p.max_scores else []))
 
 
 def captured_gradients(p: Problem, res, d_out, d_lse) -> list:

@@ -259,3 +259,26 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
     dk, dv = per_block
     dq = dq.reshape(p.B, p.Hq, p.L, p.E).astype(q.dtype)
     return dq, unblock(dk, k), unblock(dv, v), d_caps
+
+
+def tangents(p: Problem, residuals, linear):
+    """The outputs' tangents (out, LSE, and zeros for the rows' largest scores) from the
+    inputs' (`linear`: q, k, v and the score_mod's captured arrays, None where not
+    differentiated): the JVP of this forward (a scan over key blocks)."""
+    q, k, v, lists, score_caps, mask_caps, *_ = residuals
+    d_caps = linear[3]
+    moving = [i for i, t in enumerate(linear[:3]) if t is not None]
+    learnable = [i for i, t in enumerate(d_caps) if t is not None]
+
+    def run(operands, captures):
+        qkv, caps = [q, k, v], list(score_caps)
+        for i, x in zip(moving, operands):
+            qkv[i] = x
+        for i, x in zip(learnable, captures):
+            caps[i] = x
+        return forward(p, *qkv, lists, caps, mask_caps)
+
+    primals = ([(q, k, v)[i] for i in moving], [score_caps[i] for i in learnable])
+    _, tangents_out = jax.jvp(run, primals,
+                              ([linear[i] for i in moving], [d_caps[i] for i in learnable]))
+    return (*tangents_out[:2], *(jnp.zeros_like(t) for t in tangents_out[2:]))
