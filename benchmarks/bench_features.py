@@ -5,7 +5,9 @@
 Sinks (`sinks=`, per-head logits in the softmax denominator) forward + backward (their
 gradient included), dropout (`dropout_rate=0.1`, a key per input set) forward + backward, and
 the rows' largest scores (`return_max_scores=True`) forward, each against the plain call on
-the same inputs: ratio = time with / time without. Dropout runs on pallas_triton (the Mosaic
+the same inputs: ratio = time with / time without. Forward mode: jax.jvp in q, k and v (the
+tangent kernel), against the same jvp with the XLA JVP as the tangents (the path a moving
+captured array takes) and against forward + backward. Dropout runs on pallas_triton (the Mosaic
 kernels do not apply it), so it is also timed against the plain call on pallas_triton. bf16,
 causal, jitted, inputs rotated out of L2 (`benchmarks.timing`).
 """
@@ -13,6 +15,7 @@ causal, jitted, inputs rotated out of L2 (`benchmarks.timing`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -24,9 +27,21 @@ import numpy as np
 import jattn
 from benchmarks import record
 from benchmarks.timing import time_jax, warm_up
+from jattn._src.attention import pallas_triton, xla
 
 CASES = [(4, 16, 4096, 128), (4, 32, 4096, 64), (1, 16, 16384, 128)]
 COPIES = 3
+
+
+@contextlib.contextmanager
+def _xla_tangents():
+    """The kernels' tangents taken by the XLA JVP, as where a captured array moves."""
+    kernel = pallas_triton.tangents
+    pallas_triton.tangents = xla.tangents
+    try:
+        yield
+    finally:
+        pallas_triton.tangents = kernel
 
 
 def _fwd_bwd(fn):
@@ -60,26 +75,36 @@ def bench_case(B: int, H: int, L: int, D: int) -> dict:
         return lambda q, k, v, sinks, key: _fwd_bwd(
             lambda q, k, v, sinks: fn(q, k, v, sinks, key))(q, k, v, sinks)
 
+    def jvp(q, k, v, sinks, key):
+        return jax.jvp(lambda q, k, v: plain(q, k, v, sinks, key), (q, k, v), (v, q, k))
+
+    with _xla_tangents():
+        xla_jvp = time_jax(jvp, sets)
     times = {"plain_fwd_bwd": time_jax(keyed_fwd_bwd(plain), sets),
              "sinks_fwd_bwd": time_jax(keyed_fwd_bwd(with_sinks), sets),
              "dropout_fwd_bwd": time_jax(keyed_fwd_bwd(with_dropout), sets),
              "triton_fwd_bwd": time_jax(keyed_fwd_bwd(
                  lambda *args: plain(*args, implementation="pallas_triton")), sets),
              "plain_fwd": time_jax(plain, sets),
-             "max_scores_fwd": time_jax(with_max, sets)}
+             "max_scores_fwd": time_jax(with_max, sets),
+             "jvp": time_jax(jvp, sets), "jvp_xla_tangents": xla_jvp}
     row = {"case": f"B{B} H{H} L{L} D{D} causal",
            **{name: round(1e3 * t, 4) for name, t in times.items()},
            "sinks_ratio": round(times["sinks_fwd_bwd"] / times["plain_fwd_bwd"], 4),
            "dropout_ratio": round(times["dropout_fwd_bwd"] / times["plain_fwd_bwd"], 4),
            "dropout_vs_triton_ratio": round(times["dropout_fwd_bwd"] / times["triton_fwd_bwd"],
                                             4),
-           "max_scores_ratio": round(times["max_scores_fwd"] / times["plain_fwd"], 4)}
+           "max_scores_ratio": round(times["max_scores_fwd"] / times["plain_fwd"], 4),
+           "jvp_vs_fwd_bwd": round(times["jvp"] / times["plain_fwd_bwd"], 4),
+           "xla_tangents_vs_kernel": round(times["jvp_xla_tangents"] / times["jvp"], 4)}
     print(f"{row['case']}: sinks fwd+bwd {row['sinks_fwd_bwd']:.3f} vs "
           f"{row['plain_fwd_bwd']:.3f} ms ({row['sinks_ratio']:.3f}x); dropout fwd+bwd "
           f"{row['dropout_fwd_bwd']:.3f} ms ({row['dropout_ratio']:.3f}x, "
           f"{row['dropout_vs_triton_ratio']:.3f}x pallas_triton's plain); max scores fwd "
           f"{row['max_scores_fwd']:.3f} vs {row['plain_fwd']:.3f} ms "
-          f"({row['max_scores_ratio']:.3f}x)", flush=True)
+          f"({row['max_scores_ratio']:.3f}x); jvp {row['jvp']:.3f} ms "
+          f"({row['jvp_vs_fwd_bwd']:.3f}x fwd+bwd; XLA tangents {row['jvp_xla_tangents']:.3f} ms, "
+          f"{row['xla_tangents_vs_kernel']:.2f}x)", flush=True)
     return row
 
 
