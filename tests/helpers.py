@@ -9,14 +9,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jattn._src.hardware import has_cuda
-
-# The implementations every op is tested with; the GPU kernel only where a GPU is present.
-IMPLEMENTATIONS = ["xla", "interpret", pytest.param("pallas_triton", marks=pytest.mark.gpu)]
-# For wide test matrices: the interpreter (slow on CPU) runs a representative subset instead.
-COMPILED_IMPLEMENTATIONS = ["xla", pytest.param("pallas_triton", marks=pytest.mark.gpu)]
 
 
 def random(rng: np.random.Generator, shape: Sequence[int], dtype=jnp.float32,

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jattn
-from tests.helpers import IMPLEMENTATIONS, random
+from tests.helpers import random
 
 L, E = 200, 64
 
@@ -25,19 +25,6 @@ def test_bad_precision_names_the_argument():
         jattn.flex_attention(q, k, v, precision="fp32")
     with pytest.raises(ValueError, match="matmul: `precision`=3 is not one of"):
         jattn.matmul(q[0, 0], k[0, 0].T, precision=3)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_every_op_takes_precision(impl):
-    q, k, v = _inputs()
-    for precision in ("tensorfloat32", jax.lax.Precision.HIGHEST):  # a name, an enum
-        jattn.flex_attention(q, k, v, precision=precision, implementation=impl)
-        jattn.flex_decode(q[:, :, :2], k, v, precision=precision, implementation=impl)
-        jattn.matmul(q[0, 0], k[0, 0].T, precision=precision, implementation=impl)
-        jattn.mm_plus_mm(q[0, 0], k[0, 0].T, v[0, 0], q[0, 0].T, precision=precision,
-                         implementation=impl)
-        jattn.b2b_matmul(q[0, 0], k[0, 0].T, v[0, 0], precision=precision,
-                         implementation=impl)
 
 
 @pytest.mark.gpu
@@ -72,3 +59,35 @@ def test_highest_gives_float32_products_on_the_gpu():
                                                        precision="highest").sum())(q)
     assert _max_error(grad, np.asarray(expected, np.float64)) < _max_error(
         golden_grad, np.asarray(expected, np.float64))
+
+
+class PrecisionBackendTests:
+    """What every backend of every op must do with `precision`: each backend's class below names
+    it, and a new backend is one more class."""
+
+    implementation: str
+
+    def test_every_op_takes_precision(self):
+        impl = self.implementation
+        q, k, v = _inputs()
+        for precision in ("tensorfloat32", jax.lax.Precision.HIGHEST):  # a name, an enum
+            jattn.flex_attention(q, k, v, precision=precision, implementation=impl)
+            jattn.flex_decode(q[:, :, :2], k, v, precision=precision, implementation=impl)
+            jattn.matmul(q[0, 0], k[0, 0].T, precision=precision, implementation=impl)
+            jattn.mm_plus_mm(q[0, 0], k[0, 0].T, v[0, 0], q[0, 0].T, precision=precision,
+                             implementation=impl)
+            jattn.b2b_matmul(q[0, 0], k[0, 0].T, v[0, 0], precision=precision,
+                             implementation=impl)
+
+
+class TestXla(PrecisionBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(PrecisionBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(PrecisionBackendTests):
+    implementation = "pallas_triton"

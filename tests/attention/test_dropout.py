@@ -13,8 +13,7 @@ import pytest
 import jattn
 from jattn._src.attention import dropout
 from jattn._src.attention.reference import attention_reference
-from tests.helpers import (IMPLEMENTATIONS, assert_close, assert_gradients_close, golden,
-                           low_precision, random)
+from tests.helpers import assert_close, assert_gradients_close, golden, low_precision, random
 
 B, Hq, Hkv, L, S, E = 2, 4, 2, 48, 80, 16
 RATE = 0.3
@@ -35,32 +34,6 @@ def _mask(key, rate, shape, shared=False):
     b, h, q_idx, kv_idx = (jnp.arange(n, dtype=jnp.int32).reshape(
         [-1 if i == axis else 1 for i in range(4)]) for axis, n in enumerate(shape))
     return jnp.broadcast_to(dropout.kept(problem, seed[0], seed[1], b, h, q_idx, kv_idx), shape)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_output_lse_and_gradients_match_a_float64_reference_with_the_same_mask(impl):
-    rng = np.random.default_rng(0)
-    q = random(rng, (B, Hq, L, E))
-    k, v = (random(rng, (B, Hkv, S, E)) for _ in range(2))
-    key = jax.random.key(7)
-    block_mask = jattn.create_block_mask(_window, None, None, L, S, block_size=16)
-    kept = _mask(key, RATE, (B, Hq, L, S))
-
-    def ours(q, k, v):
-        return jattn.flex_attention(q, k, v, _tilt, block_mask, enable_gqa=True,
-                                    return_lse=True, implementation=impl, dropout_rate=RATE,
-                                    dropout_key=key)
-
-    def reference(q, k, v):
-        return attention_reference(q, k, v, _tilt, block_mask, dropout=(kept, RATE))
-
-    out, lse = jax.jit(ours)(q, k, v)
-    gold_out, gold_lse = golden(reference, q, k, v)
-    low_out, low_lse = low_precision(reference, q, k, v)
-    assert_close(out, gold_out, low_out, what="out")
-    assert_close(lse, gold_lse, low_lse, what="lse")
-    cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
-    assert_gradients_close(ours, reference, (q, k, v), cotangent, "qkv")
 
 
 def test_every_implementation_draws_the_same_mask_and_each_key_its_own():
@@ -155,3 +128,48 @@ def test_forward_mode_through_dropout(impl):
     _, expected = jax.jvp(lambda q, k, v: attention_reference(q, k, v, dropout=(kept, RATE))[0],
                           (q, k, v), (dq, dk, dv))
     np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=2e-5)
+
+
+class DropoutBackendTests:
+    """What every `flex_attention` backend must do with dropout: each backend's class below names
+    it, and a new backend is one more class."""
+
+    implementation: str
+
+    def test_output_lse_and_gradients_match_a_float64_reference_with_the_same_mask(self):
+        impl = self.implementation
+        rng = np.random.default_rng(0)
+        q = random(rng, (B, Hq, L, E))
+        k, v = (random(rng, (B, Hkv, S, E)) for _ in range(2))
+        key = jax.random.key(7)
+        block_mask = jattn.create_block_mask(_window, None, None, L, S, block_size=16)
+        kept = _mask(key, RATE, (B, Hq, L, S))
+
+        def ours(q, k, v):
+            return jattn.flex_attention(q, k, v, _tilt, block_mask, enable_gqa=True,
+                                        return_lse=True, implementation=impl, dropout_rate=RATE,
+                                        dropout_key=key)
+
+        def reference(q, k, v):
+            return attention_reference(q, k, v, _tilt, block_mask, dropout=(kept, RATE))
+
+        out, lse = jax.jit(ours)(q, k, v)
+        gold_out, gold_lse = golden(reference, q, k, v)
+        low_out, low_lse = low_precision(reference, q, k, v)
+        assert_close(out, gold_out, low_out, what="out")
+        assert_close(lse, gold_lse, low_lse, what="lse")
+        cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
+        assert_gradients_close(ours, reference, (q, k, v), cotangent, "qkv")
+
+
+class TestXla(DropoutBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(DropoutBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(DropoutBackendTests):
+    implementation = "pallas_triton"

@@ -12,8 +12,7 @@ import jattn
 from jattn._src import hardware
 from jattn._src.attention.reference import attention_reference
 from tests.attention.golden import check_against_golden
-from tests.helpers import (COMPILED_IMPLEMENTATIONS, IMPLEMENTATIONS, assert_bitwise_equal_runs,
-                           assert_close, golden, low_precision, random,
+from tests.helpers import (assert_bitwise_equal_runs, assert_close, golden, low_precision, random,
                            random_cotangent_vjp)
 
 # Small kernel tiles and mask blocks so that test shapes span several blocks and ragged tails.
@@ -61,14 +60,6 @@ def _masks_and_mods(impl, mask, mod, config=SMALL):
     _check(impl, q, k, v, score_mod, block_mask, config=config)
 
 
-@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
-@pytest.mark.parametrize("mask,mod", [(mask, "none") for mask in MASKS]
-                         + [(mask, "alibi") for mask in MASKS if mask != "none"]
-                         + [("none", "softcap"), ("none", "relative")])
-def test_masks_and_mods(impl, mask, mod):
-    _masks_and_mods(impl, mask, mod)
-
-
 @pytest.mark.parametrize("mask,mod", [("causal", "none"), ("document", "alibi"),
                                       ("sliding", "relative"), ("none", "softcap")])
 def test_masks_and_mods_in_the_interpreter(mask, mod):
@@ -112,128 +103,6 @@ def test_config_names_its_compiler():
         jattn.AttentionConfig(bwd_compiler="nvcc")
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,kv_batch", [
-    (1, 8, 1, 17, 33, 16, 16, None),     # MQA, short ragged lengths
-    (2, 8, 2, 1, 45, 80, 48, None),      # one query, E not a power of two, Ev != E
-    (2, 4, 4, 64, 40, 64, 32, 1),        # kv batch broadcast, L != S
-])
-def test_shapes(impl, B, Hq, Hkv, L, S, E, Ev, kv_batch):
-    rng = np.random.default_rng(L + S)
-    q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, Ev, jnp.float32, kv_batch)
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, S,
-                                         block_size=BLOCK)
-    _check(impl, q, k, v, jattn.mods.softcap(3.0), block_mask)
-
-
-@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
-@pytest.mark.parametrize("B,Hq,Hkv,L,S,E", [
-    (1, 4, 1, 113, 1025, 128),           # long ragged keys, GQA 4
-    # GQA 8, L = S not a block multiple: the kernels' tiles (xla's blocks: the cases around)
-    pytest.param(1, 8, 1, 1000, 1000, 64, marks=pytest.mark.gpu),
-    (1, 2, 2, 1025, 113, 128),           # long ragged queries over short keys
-])
-def test_long_ragged_shapes(impl, B, Hq, Hkv, L, S, E):
-    rng = np.random.default_rng(L * S)
-    q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, E, jnp.float32)
-    block_mask = jattn.create_block_mask(jattn.masks.sliding_window(300), None, None, L, S,
-                                         block_size=BLOCK)
-    _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(Hq)), block_mask)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_random_block_masks(impl):
-    """from_kv_blocks lists in random order, random partial/full/empty blocks per batch and
-    head; mask_mod applies on partial blocks only."""
-    rng = np.random.default_rng(9)
-    B, H, L, S = 2, 2, 96, 80
-    n_q, n_kv = 3, 3
-    kind = rng.integers(0, 3, (B, H, n_q, n_kv))  # 0 empty, 1 partial, 2 full
-
-    def lists(wanted):
-        num = (kind == wanted).sum(-1).astype(np.int32)
-        order = rng.permuted(np.broadcast_to(np.arange(n_kv), kind.shape), axis=-1)
-        chosen = np.take_along_axis(kind, order, -1) == wanted
-        return num, np.take_along_axis(order, np.argsort(~chosen, -1, kind="stable"),
-                                       -1).astype(np.int32)
-
-    def checkerboard(b, h, q_idx, kv_idx):
-        return (q_idx + 2 * kv_idx + b + h) % 3 != 0
-
-    block_mask = jattn.BlockMask.from_kv_blocks(*lists(1), *lists(2), block_size=BLOCK,
-                                                mask_mod=checkerboard, seq_lengths=(L, S))
-    np.testing.assert_array_equal(np.asarray(block_mask.to_dense()), kind > 0)
-    q, k, v = _inputs(rng, B, H, H, L, S, 16, 16, jnp.float32)
-    _check(impl, q, k, v, None, block_mask)
-
-
-@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision_dtypes(impl, dtype):
-    rng = np.random.default_rng(5)
-    q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 32, 32, dtype)
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64,
-                                         block_size=BLOCK)
-    _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(2)), block_mask)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_fully_masked_rows_give_zero_and_minus_inf(impl):
-    """(and the rows' largest scores against the float64 golden)"""
-    rng = np.random.default_rng(6)
-    q, k, v = _inputs(rng, 1, 2, 2, 40, 40, 16, 16, jnp.float32)
-
-    def late_start(b, h, q_idx, kv_idx):  # queries 0..9 see nothing
-        return (q_idx >= 10) & (kv_idx <= q_idx)
-
-    block_mask = jattn.create_block_mask(late_start, None, None, 40, 40, block_size=BLOCK)
-    out, lse, largest = jattn.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
-                                             return_max_scores=True, config=SMALL,
-                                             implementation=impl)
-    assert np.all(np.asarray(out[:, :, :10]) == 0) and np.all(np.isneginf(lse[:, :, :10]))
-    assert np.all(np.isneginf(largest[:, :, :10]))
-    _check(impl, q, k, v, None, block_mask)
-
-    kept = late_start(0, 0, np.arange(40)[:, None], np.arange(40)[None, :])
-
-    def rows_max(q, k):  # (scale 1/sqrt(16))
-        scores = jnp.einsum("bhle,bhse->bhls", q, k) / 4.0
-        return jnp.where(kept, scores, -jnp.inf).max(-1)[:, :, 10:]
-
-    assert_close(largest[:, :, 10:], golden(rows_max, q, k), low_precision(rows_max, q, k),
-                 what="max_scores")
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_captured_array_gradients(impl):
-    """Learnable alibi slopes and a learnable relative-position table get gradients."""
-    rng = np.random.default_rng(7)
-    q, k, v = _inputs(rng, 2, 4, 2, 48, 48, 16, 16, jnp.float32)
-    slopes = random(rng, (4,), scale=0.1)
-    table = random(rng, (4, 31))
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 48, 48,
-                                         block_size=BLOCK)
-
-    def mod(slopes, table):
-        alibi, relative = jattn.mods.alibi(slopes), jattn.mods.relative_position_bias(table)
-        return lambda s, b, h, qi, ki: relative(alibi(s, b, h, qi, ki), b, h, qi, ki)
-
-    def ours(q, k, v, slopes, table):
-        return jattn.flex_attention(q, k, v, mod(slopes, table), block_mask, enable_gqa=True,
-                                    config=SMALL, implementation=impl)
-
-    def ref(q, k, v, slopes, table):
-        return attention_reference(q, k, v, mod(slopes, table), block_mask)[0]
-
-    args = (q, k, v, slopes, table)
-    cotangent = random(rng, (2, 4, 48, 16))
-    grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
-    gold = golden(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
-    low = low_precision(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
-    for name, g, g64, g_low in zip(("q", "k", "v", "slopes", "table"), grads, gold, low):
-        assert_close(g, g64, g_low, what=f"d{name}")
-
-
 @pytest.mark.parametrize("impl", ["xla", pytest.param("pallas_triton", marks=pytest.mark.gpu)])
 def test_captured_array_gradients_are_bitwise_reproducible(impl):
     """A relative-position table's gradient sums many score cotangents into each entry (a
@@ -250,41 +119,6 @@ def test_captured_array_gradients_are_bitwise_reproducible(impl):
 
     grads = jax.jit(lambda q, table: random_cotangent_vjp(ours, (q, table), cotangent))
     assert_bitwise_equal_runs(lambda: grads(q, table))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_deterministic_and_transformations(impl):
-    rng = np.random.default_rng(8)
-    q, k, v = _inputs(rng, 2, 2, 2, 40, 40, 16, 16, jnp.float32)
-    cotangent = random(rng, (3, *q.shape[:3], 16))
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 40, 40,
-                                         block_size=BLOCK)
-    fn = functools.partial(jattn.flex_attention, block_mask=block_mask, config=SMALL,
-                           implementation=impl)
-    stacked = [jnp.stack([x, 2 * x, -x]) for x in (q, k, v)]
-    grad_fn = jax.jit(lambda *x: random_cotangent_vjp(jax.vmap(jax.checkpoint(fn)), x,
-                                                      cotangent))
-    assert_bitwise_equal_runs(lambda: grad_fn(*stacked))
-    vmapped = jax.jit(jax.vmap(fn))(*stacked)
-    np.testing.assert_allclose(vmapped[1], jax.jit(fn)(*[s[1] for s in stacked]), rtol=1e-6,
-                               atol=1e-6)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_deterministic_false_changes_nothing_where_every_kernel_is_deterministic(impl):
-    """deterministic=False permits, and only pallas_mosaic_gpu at head dim 64 takes it
-    (tests/attention/test_mosaic_gpu.py): elsewhere the same results. A non-bool raises
-    naming the argument."""
-    rng = np.random.default_rng(9)
-    q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 16, 16, jnp.float32)
-    cotangent = random(rng, q.shape)
-    results = [random_cotangent_vjp(functools.partial(
-        jattn.flex_attention, config=SMALL, implementation=impl,
-        deterministic=deterministic), (q, k, v), cotangent) for deterministic in (True, False)]
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
-    with pytest.raises(TypeError, match="`deterministic` must be True or False, got 'no'"):
-        jattn.flex_attention(q, k, v, deterministic="no")
 
 
 def test_nan_propagates():
@@ -459,38 +293,6 @@ def test_bad_mods_and_masks_raise(impl):
                              implementation="interpret")
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_backward_from_saved_outputs_equals_vjp(impl):
-    """flex_attention_backward (the torch ops' backward) reuses out/lse and matches jax.vjp bit
-    for bit (the captured table's gradient too, except across GPU programs: see below)."""
-    from jattn._src.attention.api import flex_attention_backward
-
-    rng = np.random.default_rng(10)
-    q, k, v = _inputs(rng, 1, 4, 2, 48, 40, 16, 16, jnp.float32)
-    table = random(rng, (4, 31))
-    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 48, 40,
-                                         block_size=BLOCK)
-    options = dict(enable_gqa=True, config=SMALL, implementation=impl)
-
-    def run(q, k, v, table):
-        return jattn.flex_attention(q, k, v, jattn.mods.relative_position_bias(table),
-                                    block_mask, return_lse=True, **options)
-
-    (out, lse), vjp = jax.vjp(run, q, k, v, table)
-    cotangents = (random(rng, out.shape), random(rng, lse.shape))
-    expected = jax.jit(lambda vjp, c: vjp(c))(vjp, cotangents)  # residuals as arguments
-    dq, dk, dv, (d_table,) = jax.jit(lambda out, lse, c, table: flex_attention_backward(
-        q, k, v, out, lse, *c, jattn.mods.relative_position_bias(table), block_mask,
-        score_captures=(table,), **options))(out, lse, cotangents, table)
-    for name, ours, theirs in zip("qkv", (dq, dk, dv), expected):
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"d{name}")
-    # The table's gradient is an XLA reduction, which XLA may order differently in two programs
-    # on the GPU (seen: 1e-6 relative); bitwise on the CPU.
-    tolerance = 0 if impl != "pallas_triton" else 1e-5
-    np.testing.assert_allclose(np.asarray(d_table), np.asarray(expected[3]), rtol=tolerance,
-                               atol=tolerance, err_msg="dtable")
-
-
 def test_a_score_mod_returning_its_score_costs_nothing():
     """transformers passes a score_mod that returns its score when it has no softcap or head
     mask: the call is the one without a score_mod (same program), and a mod that computes
@@ -508,3 +310,219 @@ def test_a_score_mod_returning_its_score_costs_nothing():
 
     assert program(passthrough) == program(None)
     assert program(lambda s, b, h, q_idx, kv_idx: s * 2.0) != program(None)
+
+
+class FlexAttentionBackendTests:
+    """What every `flex_attention` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    def skip_in_the_interpreter(self):
+        """Wide matrices run on the compiled backends; the interpreter (slow on the CPU) runs
+        a representative subset in the other tests."""
+        if self.implementation == "interpret":
+            pytest.skip("a wide matrix: compiled backends only")
+
+    @pytest.mark.parametrize("mask,mod", [(mask, "none") for mask in MASKS]
+                             + [(mask, "alibi") for mask in MASKS if mask != "none"]
+                             + [("none", "softcap"), ("none", "relative")])
+    def test_masks_and_mods(self, mask, mod):
+        self.skip_in_the_interpreter()
+        impl = self.implementation
+        _masks_and_mods(impl, mask, mod)
+
+    @pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,kv_batch", [
+        (1, 8, 1, 17, 33, 16, 16, None),     # MQA, short ragged lengths
+        (2, 8, 2, 1, 45, 80, 48, None),      # one query, E not a power of two, Ev != E
+        (2, 4, 4, 64, 40, 64, 32, 1),        # kv batch broadcast, L != S
+    ])
+    def test_shapes(self, B, Hq, Hkv, L, S, E, Ev, kv_batch):
+        impl = self.implementation
+        rng = np.random.default_rng(L + S)
+        q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, Ev, jnp.float32, kv_batch)
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, S,
+                                             block_size=BLOCK)
+        _check(impl, q, k, v, jattn.mods.softcap(3.0), block_mask)
+
+    @pytest.mark.parametrize("B,Hq,Hkv,L,S,E", [
+        (1, 4, 1, 113, 1025, 128),           # long ragged keys, GQA 4
+        # GQA 8, L = S not a block multiple: the kernels' tiles (xla's blocks: the cases around)
+        pytest.param(1, 8, 1, 1000, 1000, 64, marks=pytest.mark.gpu),
+        (1, 2, 2, 1025, 113, 128),           # long ragged queries over short keys
+    ])
+    def test_long_ragged_shapes(self, B, Hq, Hkv, L, S, E):
+        self.skip_in_the_interpreter()
+        impl = self.implementation
+        rng = np.random.default_rng(L * S)
+        q, k, v = _inputs(rng, B, Hq, Hkv, L, S, E, E, jnp.float32)
+        block_mask = jattn.create_block_mask(jattn.masks.sliding_window(300), None, None, L, S,
+                                             block_size=BLOCK)
+        _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(Hq)), block_mask)
+
+    def test_random_block_masks(self):
+        """from_kv_blocks lists in random order, random partial/full/empty blocks per batch and
+        head; mask_mod applies on partial blocks only."""
+        impl = self.implementation
+        rng = np.random.default_rng(9)
+        B, H, L, S = 2, 2, 96, 80
+        n_q, n_kv = 3, 3
+        kind = rng.integers(0, 3, (B, H, n_q, n_kv))  # 0 empty, 1 partial, 2 full
+
+        def lists(wanted):
+            num = (kind == wanted).sum(-1).astype(np.int32)
+            order = rng.permuted(np.broadcast_to(np.arange(n_kv), kind.shape), axis=-1)
+            chosen = np.take_along_axis(kind, order, -1) == wanted
+            return num, np.take_along_axis(order, np.argsort(~chosen, -1, kind="stable"),
+                                           -1).astype(np.int32)
+
+        def checkerboard(b, h, q_idx, kv_idx):
+            return (q_idx + 2 * kv_idx + b + h) % 3 != 0
+
+        block_mask = jattn.BlockMask.from_kv_blocks(*lists(1), *lists(2), block_size=BLOCK,
+                                                    mask_mod=checkerboard, seq_lengths=(L, S))
+        np.testing.assert_array_equal(np.asarray(block_mask.to_dense()), kind > 0)
+        q, k, v = _inputs(rng, B, H, H, L, S, 16, 16, jnp.float32)
+        _check(impl, q, k, v, None, block_mask)
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+    def test_low_precision_dtypes(self, dtype):
+        self.skip_in_the_interpreter()
+        impl = self.implementation
+        rng = np.random.default_rng(5)
+        q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 32, 32, dtype)
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 64, 64,
+                                             block_size=BLOCK)
+        _check(impl, q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(2)), block_mask)
+
+    def test_fully_masked_rows_give_zero_and_minus_inf(self):
+        """(and the rows' largest scores against the float64 golden)"""
+        impl = self.implementation
+        rng = np.random.default_rng(6)
+        q, k, v = _inputs(rng, 1, 2, 2, 40, 40, 16, 16, jnp.float32)
+
+        def late_start(b, h, q_idx, kv_idx):  # queries 0..9 see nothing
+            return (q_idx >= 10) & (kv_idx <= q_idx)
+
+        block_mask = jattn.create_block_mask(late_start, None, None, 40, 40, block_size=BLOCK)
+        out, lse, largest = jattn.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                                                 return_max_scores=True, config=SMALL,
+                                                 implementation=impl)
+        assert np.all(np.asarray(out[:, :, :10]) == 0) and np.all(np.isneginf(lse[:, :, :10]))
+        assert np.all(np.isneginf(largest[:, :, :10]))
+        _check(impl, q, k, v, None, block_mask)
+
+        kept = late_start(0, 0, np.arange(40)[:, None], np.arange(40)[None, :])
+
+        def rows_max(q, k):  # (scale 1/sqrt(16))
+            scores = jnp.einsum("bhle,bhse->bhls", q, k) / 4.0
+            return jnp.where(kept, scores, -jnp.inf).max(-1)[:, :, 10:]
+
+        assert_close(largest[:, :, 10:], golden(rows_max, q, k), low_precision(rows_max, q, k),
+                     what="max_scores")
+
+    def test_captured_array_gradients(self):
+        """Learnable alibi slopes and a learnable relative-position table get gradients."""
+        impl = self.implementation
+        rng = np.random.default_rng(7)
+        q, k, v = _inputs(rng, 2, 4, 2, 48, 48, 16, 16, jnp.float32)
+        slopes = random(rng, (4,), scale=0.1)
+        table = random(rng, (4, 31))
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 48, 48,
+                                             block_size=BLOCK)
+
+        def mod(slopes, table):
+            alibi, relative = jattn.mods.alibi(slopes), jattn.mods.relative_position_bias(table)
+            return lambda s, b, h, qi, ki: relative(alibi(s, b, h, qi, ki), b, h, qi, ki)
+
+        def ours(q, k, v, slopes, table):
+            return jattn.flex_attention(q, k, v, mod(slopes, table), block_mask, enable_gqa=True,
+                                        config=SMALL, implementation=impl)
+
+        def ref(q, k, v, slopes, table):
+            return attention_reference(q, k, v, mod(slopes, table), block_mask)[0]
+
+        args = (q, k, v, slopes, table)
+        cotangent = random(rng, (2, 4, 48, 16))
+        grads = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))(*args)
+        gold = golden(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
+        low = low_precision(lambda *x: random_cotangent_vjp(ref, x[:5], x[5]), *args, cotangent)
+        for name, g, g64, g_low in zip(("q", "k", "v", "slopes", "table"), grads, gold, low):
+            assert_close(g, g64, g_low, what=f"d{name}")
+
+    def test_deterministic_and_transformations(self):
+        impl = self.implementation
+        rng = np.random.default_rng(8)
+        q, k, v = _inputs(rng, 2, 2, 2, 40, 40, 16, 16, jnp.float32)
+        cotangent = random(rng, (3, *q.shape[:3], 16))
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 40, 40,
+                                             block_size=BLOCK)
+        fn = functools.partial(jattn.flex_attention, block_mask=block_mask, config=SMALL,
+                               implementation=impl)
+        stacked = [jnp.stack([x, 2 * x, -x]) for x in (q, k, v)]
+        grad_fn = jax.jit(lambda *x: random_cotangent_vjp(jax.vmap(jax.checkpoint(fn)), x,
+                                                          cotangent))
+        assert_bitwise_equal_runs(lambda: grad_fn(*stacked))
+        vmapped = jax.jit(jax.vmap(fn))(*stacked)
+        np.testing.assert_allclose(vmapped[1], jax.jit(fn)(*[s[1] for s in stacked]), rtol=1e-6,
+                                   atol=1e-6)
+
+    def test_deterministic_false_changes_nothing_where_every_kernel_is_deterministic(self):
+        """deterministic=False permits, and only pallas_mosaic_gpu at head dim 64 takes it
+        (tests/attention/test_mosaic_gpu.py): elsewhere the same results. A non-bool raises
+        naming the argument."""
+        impl = self.implementation
+        rng = np.random.default_rng(9)
+        q, k, v = _inputs(rng, 1, 2, 2, 64, 64, 16, 16, jnp.float32)
+        cotangent = random(rng, q.shape)
+        results = [random_cotangent_vjp(functools.partial(
+            jattn.flex_attention, config=SMALL, implementation=impl,
+            deterministic=deterministic), (q, k, v), cotangent) for deterministic in (True, False)]
+        for a, b in zip(*results):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(TypeError, match="`deterministic` must be True or False, got 'no'"):
+            jattn.flex_attention(q, k, v, deterministic="no")
+
+    def test_backward_from_saved_outputs_equals_vjp(self):
+        """flex_attention_backward (the torch ops' backward) reuses out/lse and matches jax.vjp bit
+        for bit (the captured table's gradient too, except across GPU programs: see below)."""
+        impl = self.implementation
+        from jattn._src.attention.api import flex_attention_backward
+
+        rng = np.random.default_rng(10)
+        q, k, v = _inputs(rng, 1, 4, 2, 48, 40, 16, 16, jnp.float32)
+        table = random(rng, (4, 31))
+        block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 48, 40,
+                                             block_size=BLOCK)
+        options = dict(enable_gqa=True, config=SMALL, implementation=impl)
+
+        def run(q, k, v, table):
+            return jattn.flex_attention(q, k, v, jattn.mods.relative_position_bias(table),
+                                        block_mask, return_lse=True, **options)
+
+        (out, lse), vjp = jax.vjp(run, q, k, v, table)
+        cotangents = (random(rng, out.shape), random(rng, lse.shape))
+        expected = jax.jit(lambda vjp, c: vjp(c))(vjp, cotangents)  # residuals as arguments
+        dq, dk, dv, (d_table,) = jax.jit(lambda out, lse, c, table: flex_attention_backward(
+            q, k, v, out, lse, *c, jattn.mods.relative_position_bias(table), block_mask,
+            score_captures=(table,), **options))(out, lse, cotangents, table)
+        for name, ours, theirs in zip("qkv", (dq, dk, dv), expected):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs), err_msg=f"d{name}")
+        # The table's gradient is an XLA reduction, which XLA may order differently in two programs
+        # on the GPU (seen: 1e-6 relative); bitwise on the CPU.
+        tolerance = 0 if impl != "pallas_triton" else 1e-5
+        np.testing.assert_allclose(np.asarray(d_table), np.asarray(expected[3]), rtol=tolerance,
+                                   atol=tolerance, err_msg="dtable")
+
+
+class TestXla(FlexAttentionBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(FlexAttentionBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(FlexAttentionBackendTests):
+    implementation = "pallas_triton"

@@ -11,8 +11,7 @@ import pytest
 
 import jattn
 from jattn._src.attention.reference import attention_reference
-from tests.helpers import (IMPLEMENTATIONS, assert_close, golden, low_precision,
-                           map_reference, random)
+from tests.helpers import assert_close, golden, low_precision, map_reference, random
 
 B, Hq, Hkv, L, S, E = 1, 4, 2, 40, 72, 16  # GQA; lengths not multiples of the blocks
 
@@ -47,64 +46,6 @@ def _inputs(seed):
     table = random(rng, (Hq, S), scale=0.3)
     tangents = tuple(random(rng, x.shape) for x in (q, k, v, table))
     return rng, (q, k, v, table), tangents
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_jvp_of_output_and_lse_equals_the_references(impl):
-    _, args, tangents = _inputs(0)
-    got = jax.jit(lambda a, t: jax.jvp(_attention(impl), a, t))(args, tangents)
-
-    def reference_jvp(*at):
-        return jax.jvp(_reference, at[:4], at[4:])
-
-    gold = golden(reference_jvp, *args, *tangents)
-    low = low_precision(reference_jvp, *args, *tangents)
-    for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
-                             jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
-        assert_close(x, g, r, what=name)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("moving", ["qkv", "q", "kv"])
-def test_tangent_kernel_equals_the_references(impl, moving):
-    """No captured array moves, so the kernel implementations take the tangents in their own
-    kernel (`pallas_triton_jvp`): a softcap over a fixed table's bias (the mod's derivative
-    in the kernel), the window's partial and full blocks, GQA, ragged lengths, and a row that
-    attends to nothing (its tangents zero)."""
-    _, (q, k, v, table), tangents = _inputs(6)
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return 8.0 * jnp.tanh((score + table[h, kv_idx]) / 8.0)
-
-    def window(b, h, q_idx, kv_idx):  # row 5 attends to nothing
-        return (jnp.abs(q_idx - kv_idx) < 24) & (q_idx != 5)
-
-    block_mask = jattn.create_block_mask(window, None, None, L, S, block_size=16)
-    which = ["qkv".index(name) for name in moving]
-
-    def call(attention):
-        def f(*moved):
-            args = [q, k, v]
-            for i, x in zip(which, moved):
-                args[i] = x
-            return attention(*args, score_mod, block_mask)
-        return lambda: jax.jvp(f, tuple((q, k, v)[i] for i in which),
-                               tuple(tangents[i] for i in which))
-
-    ours = call(lambda *a: jattn.flex_attention(*a, enable_gqa=True, return_lse=True,
-                                                implementation=impl))
-    got = jax.jit(ours)()
-    if impl != "xla":
-        assert "jattn_flex_jvp" in str(jax.make_jaxpr(ours)())
-    reference = call(attention_reference)
-    gold, low = golden(reference), low_precision(reference)
-    attended = np.arange(L) != 5  # (row 5's LSE is -inf, its tangents zero)
-    for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
-                             jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
-        assert_close(x[:, :, attended], g[:, :, attended],
-                     map_reference(lambda y: y[:, :, attended], r), what=name)
-    for tangent in got[1]:
-        assert np.all(np.asarray(tangent)[:, :, 5] == 0)
 
 
 def test_jvp_of_some_inputs_only_and_of_an_integer_capture():
@@ -189,3 +130,79 @@ def test_second_derivatives_on_xla_equal_the_references():
     for x, g, r in zip(jax.tree.leaves(got), jax.tree.leaves(golden(expected, q, table)),
                        jax.tree.leaves(low_precision(expected, q, table))):
         assert_close(x, g, r, what="hessian")
+
+
+class ForwardModeBackendTests:
+    """What every `flex_attention` backend must do in forward mode: each backend's class below
+    names it, and a new backend is one more class."""
+
+    implementation: str
+
+    def test_jvp_of_output_and_lse_equals_the_references(self):
+        impl = self.implementation
+        _, args, tangents = _inputs(0)
+        got = jax.jit(lambda a, t: jax.jvp(_attention(impl), a, t))(args, tangents)
+
+        def reference_jvp(*at):
+            return jax.jvp(_reference, at[:4], at[4:])
+
+        gold = golden(reference_jvp, *args, *tangents)
+        low = low_precision(reference_jvp, *args, *tangents)
+        for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
+                                 jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
+            assert_close(x, g, r, what=name)
+
+    @pytest.mark.parametrize("moving", ["qkv", "q", "kv"])
+    def test_tangent_kernel_equals_the_references(self, moving):
+        """No captured array moves, so the kernel implementations take the tangents in their own
+        kernel (`pallas_triton_jvp`): a softcap over a fixed table's bias (the mod's derivative
+        in the kernel), the window's partial and full blocks, GQA, ragged lengths, and a row that
+        attends to nothing (its tangents zero)."""
+        impl = self.implementation
+        _, (q, k, v, table), tangents = _inputs(6)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return 8.0 * jnp.tanh((score + table[h, kv_idx]) / 8.0)
+
+        def window(b, h, q_idx, kv_idx):  # row 5 attends to nothing
+            return (jnp.abs(q_idx - kv_idx) < 24) & (q_idx != 5)
+
+        block_mask = jattn.create_block_mask(window, None, None, L, S, block_size=16)
+        which = ["qkv".index(name) for name in moving]
+
+        def call(attention):
+            def f(*moved):
+                args = [q, k, v]
+                for i, x in zip(which, moved):
+                    args[i] = x
+                return attention(*args, score_mod, block_mask)
+            return lambda: jax.jvp(f, tuple((q, k, v)[i] for i in which),
+                                   tuple(tangents[i] for i in which))
+
+        ours = call(lambda *a: jattn.flex_attention(*a, enable_gqa=True, return_lse=True,
+                                                    implementation=impl))
+        got = jax.jit(ours)()
+        if impl != "xla":
+            assert "jattn_flex_jvp" in str(jax.make_jaxpr(ours)())
+        reference = call(attention_reference)
+        gold, low = golden(reference), low_precision(reference)
+        attended = np.arange(L) != 5  # (row 5's LSE is -inf, its tangents zero)
+        for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
+                                 jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):
+            assert_close(x[:, :, attended], g[:, :, attended],
+                         map_reference(lambda y: y[:, :, attended], r), what=name)
+        for tangent in got[1]:
+            assert np.all(np.asarray(tangent)[:, :, 5] == 0)
+
+
+class TestXla(ForwardModeBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(ForwardModeBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(ForwardModeBackendTests):
+    implementation = "pallas_triton"

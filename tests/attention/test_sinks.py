@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 
 import jattn
 from jattn._src.attention.reference import element_mask
-from tests.helpers import (COMPILED_IMPLEMENTATIONS, assert_close, assert_gradients_close,
-                           golden, low_precision, random)
+from tests.helpers import (assert_close, assert_gradients_close, golden, low_precision,
+                           random)
 
 B, Hq, Hkv, L, S, E = 2, 4, 2, 48, 80, 16
 
@@ -50,29 +50,6 @@ def _inputs(seed, dtype=jnp.float32):
 # a window that leaves the first rows' blocks without keys: those rows are the sink alone
 def _late_window(b, h, q_idx, kv_idx):
     return (kv_idx >= q_idx + 20) & (kv_idx < q_idx + 40)
-
-
-# The sinks apply to any implementation's (out, lse), composed outside the kernels: xla and
-# the compiled kernels here (the interpreter adds only time), xla across devices below.
-@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS)
-def test_output_lse_and_gradients_match_a_softmax_with_the_sink_as_a_column(impl):
-    rng, q, k, v, sinks = _inputs(0)
-    mask = jattn.create_block_mask(_late_window, None, None, L, S, block_size=16)
-
-    def ours(q, k, v, sinks):
-        return jattn.flex_attention(q, k, v, _tilt, mask, enable_gqa=True, return_lse=True,
-                                    implementation=impl, sinks=sinks)
-
-    def reference(q, k, v, sinks):
-        return sinks_reference(q, k, v, sinks, _tilt, mask)
-
-    out, lse = jax.jit(ours)(q, k, v, sinks)
-    gold_out, gold_lse = golden(reference, q, k, v, sinks)
-    low_out, low_lse = low_precision(reference, q, k, v, sinks)
-    assert_close(out, gold_out, low_out, what="out")
-    assert_close(lse, gold_lse, low_lse, what="lse")
-    cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
-    assert_gradients_close(ours, reference, (q, k, v, sinks), cotangent, "qkvs")
 
 
 def test_a_row_without_keys_gives_zero_and_the_sink_as_its_lse():
@@ -137,3 +114,52 @@ def test_bad_sinks_name_the_argument():
         jattn.flex_attention(q, k, v, enable_gqa=True, sinks=jnp.zeros(2))
     with pytest.raises(TypeError, match="`sinks` must be floating point"):
         jattn.flex_decode(q[:, :, :1], k, v, sinks=jnp.zeros(Hq, jnp.int32))
+
+
+class SinksBackendTests:
+    """What every `flex_attention` backend must do with sinks: each backend's class below names it,
+    and a new backend is one more class."""
+
+    implementation: str
+
+    def skip_in_the_interpreter(self):
+        """Wide matrices run on the compiled backends; the interpreter (slow on the CPU) runs
+        a representative subset in the other tests."""
+        if self.implementation == "interpret":
+            pytest.skip("a wide matrix: compiled backends only")
+
+    # The sinks apply to any implementation's (out, lse), composed outside the kernels: xla and
+    # the compiled kernels here (the interpreter adds only time), xla across devices below.
+    def test_output_lse_and_gradients_match_a_softmax_with_the_sink_as_a_column(self):
+        self.skip_in_the_interpreter()
+        impl = self.implementation
+        rng, q, k, v, sinks = _inputs(0)
+        mask = jattn.create_block_mask(_late_window, None, None, L, S, block_size=16)
+
+        def ours(q, k, v, sinks):
+            return jattn.flex_attention(q, k, v, _tilt, mask, enable_gqa=True, return_lse=True,
+                                        implementation=impl, sinks=sinks)
+
+        def reference(q, k, v, sinks):
+            return sinks_reference(q, k, v, sinks, _tilt, mask)
+
+        out, lse = jax.jit(ours)(q, k, v, sinks)
+        gold_out, gold_lse = golden(reference, q, k, v, sinks)
+        low_out, low_lse = low_precision(reference, q, k, v, sinks)
+        assert_close(out, gold_out, low_out, what="out")
+        assert_close(lse, gold_lse, low_lse, what="lse")
+        cotangent = (random(rng, out.shape, out.dtype), random(rng, lse.shape, jnp.float32))
+        assert_gradients_close(ours, reference, (q, k, v, sinks), cotangent, "qkvs")
+
+
+class TestXla(SinksBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(SinksBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(SinksBackendTests):
+    implementation = "pallas_triton"

@@ -11,31 +11,11 @@ import jattn
 from jattn._src.decoding.api import flex_decode
 from jattn._src.attention.split_kv_config import DecodeConfig, choose_num_splits
 from tests.decoding.helpers import BLOCK, SMALL, check, inputs
-from tests.helpers import IMPLEMENTATIONS, assert_bitwise_equal_runs
+from tests.helpers import assert_bitwise_equal_runs
 
 
 def _alibi(H):
     return jattn.mods.alibi(jattn.mods.alibi_slopes(H))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("B,Hq,Hkv,Lq,S,E,Ev,kv_len,kv_batch,mod", [
-    (2, 4, 4, 1, 100, 16, 16, [100, 37], None, None),      # GQA 1, odd per-batch lengths
-    (3, 8, 2, 4, 130, 24, 16, [130, 0, 2], None, "alibi"),  # GQA 4, Lq 4, E not a power of 2,
-                                                            # an empty sequence, one below Lq
-    (1, 8, 1, 1, 77, 32, 32, None, None, "softcap"),       # GQA 8 (MQA), kv_len = S ragged
-    (2, 4, 2, 3, 64, 16, 32, [41, 64], 1, None),           # kv batch broadcast, Ev != E
-])
-def test_shapes_and_lengths(impl, B, Hq, Hkv, Lq, S, E, Ev, kv_len, kv_batch, mod):
-    rng = np.random.default_rng(S + Lq)
-    q, k, v = inputs(rng, B, Hq, Hkv, Lq, S, E, Ev, kv_batch=kv_batch)
-    score_mod = {None: None, "alibi": _alibi(Hq), "softcap": jattn.mods.softcap(2.0)}[mod]
-    out, lse = check(impl, q, k, v, score_mod,
-                     kv_len=None if kv_len is None else jnp.asarray(kv_len))
-    for b, length in enumerate(kv_len or []):  # queries at positions < 0 see nothing
-        silent = max(0, Lq - length)
-        assert np.all(np.asarray(out[b, :, :silent]) == 0)
-        assert np.all(np.isneginf(lse[b, :, :silent]))
 
 
 def _segments(length):
@@ -212,3 +192,42 @@ def test_nan_in_a_query_stays_in_its_row():
         q, k, v)
     assert np.isnan(np.asarray(out[0, 1])).all()
     assert not np.isnan(np.asarray(out[0, [0, 2, 3]])).any()
+
+
+class FlexDecodeBackendTests:
+    """What every `flex_decode` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("B,Hq,Hkv,Lq,S,E,Ev,kv_len,kv_batch,mod", [
+        (2, 4, 4, 1, 100, 16, 16, [100, 37], None, None),      # GQA 1, odd per-batch lengths
+        (3, 8, 2, 4, 130, 24, 16, [130, 0, 2], None, "alibi"),  # GQA 4, Lq 4, E not a power of 2,
+                                                                # an empty sequence, one below Lq
+        (1, 8, 1, 1, 77, 32, 32, None, None, "softcap"),       # GQA 8 (MQA), kv_len = S ragged
+        (2, 4, 2, 3, 64, 16, 32, [41, 64], 1, None),           # kv batch broadcast, Ev != E
+    ])
+    def test_shapes_and_lengths(self, B, Hq, Hkv, Lq, S, E, Ev, kv_len, kv_batch, mod):
+        impl = self.implementation
+        rng = np.random.default_rng(S + Lq)
+        q, k, v = inputs(rng, B, Hq, Hkv, Lq, S, E, Ev, kv_batch=kv_batch)
+        score_mod = {None: None, "alibi": _alibi(Hq), "softcap": jattn.mods.softcap(2.0)}[mod]
+        out, lse = check(impl, q, k, v, score_mod,
+                         kv_len=None if kv_len is None else jnp.asarray(kv_len))
+        for b, length in enumerate(kv_len or []):  # queries at positions < 0 see nothing
+            silent = max(0, Lq - length)
+            assert np.all(np.asarray(out[b, :, :silent]) == 0)
+            assert np.all(np.isneginf(lse[b, :, :silent]))
+
+
+class TestXla(FlexDecodeBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(FlexDecodeBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(FlexDecodeBackendTests):
+    implementation = "pallas_triton"

@@ -11,7 +11,7 @@ import jattn
 from jattn._src.decoding.api import flex_decode
 from jattn._src.decoding.paged import PagedKVCache
 from tests.decoding.helpers import SMALL, inputs, random_page_table
-from tests.helpers import IMPLEMENTATIONS, random
+from tests.helpers import random
 
 PAGE = 32
 
@@ -28,28 +28,6 @@ def _cache_like(rng, k, v, kv_len, num_pages):
             for pool, x in zip(pools, (k, v)):
                 pool[:, table[b, j]] = np.asarray(x[b, :, j * PAGE:(j + 1) * PAGE])
     return PagedKVCache(jnp.asarray(pools[0]), jnp.asarray(pools[1]), jnp.asarray(table))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_paged_equals_contiguous_bitwise(impl):
-    rng = np.random.default_rng(0)
-    B, Hq, Hkv, Lq, S, E = 3, 8, 2, 4, 160, 16
-    q, k, v = inputs(rng, B, Hq, Hkv, Lq, S, E)
-    kv_len = [160, 70, 3]
-    cache = _cache_like(rng, k, v, kv_len, num_pages=20)
-    lengths = jnp.asarray(kv_len)
-    np.testing.assert_array_equal(cache.to_contiguous()[0][0], k[0])
-    block_mask = jattn.create_block_mask(jattn.masks.sliding_window(50), None, None, S, S,
-                                         block_size=PAGE)
-    for score_mod, mask in ((None, None), (jattn.mods.alibi(jattn.mods.alibi_slopes(Hq)),
-                                           block_mask)):
-        run = functools.partial(flex_decode, score_mod=score_mod, block_mask=mask,
-                                kv_len=lengths, return_lse=True, config=SMALL,
-                                implementation=impl)
-        paged = jax.jit(lambda q, cache: run(q, cache, None))(q, cache)
-        contiguous = jax.jit(run)(q, k, v)
-        for x, y in zip(paged, contiguous):
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_assign_writes_through_the_page_table():
@@ -137,3 +115,44 @@ def test_converted_block_mask_attends_like_the_logical_one():
         q, *cache.as_sequence(), cache.convert_score_mod(score_mod), physical,
         implementation="xla"))(q, cache)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+class PagedDecodeBackendTests:
+    """What every `flex_decode` backend must do with a page table: each backend's class below names
+    it, and a new backend is one more class."""
+
+    implementation: str
+
+    def test_paged_equals_contiguous_bitwise(self):
+        impl = self.implementation
+        rng = np.random.default_rng(0)
+        B, Hq, Hkv, Lq, S, E = 3, 8, 2, 4, 160, 16
+        q, k, v = inputs(rng, B, Hq, Hkv, Lq, S, E)
+        kv_len = [160, 70, 3]
+        cache = _cache_like(rng, k, v, kv_len, num_pages=20)
+        lengths = jnp.asarray(kv_len)
+        np.testing.assert_array_equal(cache.to_contiguous()[0][0], k[0])
+        block_mask = jattn.create_block_mask(jattn.masks.sliding_window(50), None, None, S, S,
+                                             block_size=PAGE)
+        for score_mod, mask in ((None, None), (jattn.mods.alibi(jattn.mods.alibi_slopes(Hq)),
+                                               block_mask)):
+            run = functools.partial(flex_decode, score_mod=score_mod, block_mask=mask,
+                                    kv_len=lengths, return_lse=True, config=SMALL,
+                                    implementation=impl)
+            paged = jax.jit(lambda q, cache: run(q, cache, None))(q, cache)
+            contiguous = jax.jit(run)(q, k, v)
+            for x, y in zip(paged, contiguous):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+class TestXla(PagedDecodeBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(PagedDecodeBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(PagedDecodeBackendTests):
+    implementation = "pallas_triton"

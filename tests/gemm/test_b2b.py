@@ -12,9 +12,8 @@ from jattn._src.gemm import pallas_triton_b2b
 from jattn._src.gemm.config import heuristic_b2b_config
 from jattn._src.gemm.reference import b2b_reference
 from jattn._src.user_functions import trace_with_captures
-from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close,
-                           assert_gradients_close, golden, low_precision, lower_for_cuda, random,
-                           random_cotangent_vjp)
+from tests.helpers import (assert_bitwise_equal_runs, assert_close, assert_gradients_close, golden,
+                           low_precision, lower_for_cuda, random, random_cotangent_vjp)
 
 # Small tiles: several programs, several intermediate chunks, ragged edges everywhere.
 SMALL = jattn.B2BConfig(block_out=16, block_inner=32, block_k=32, num_warps=4, num_stages=2)
@@ -31,23 +30,6 @@ def _shapes(side, m, k, p, n):
 
 def _config(impl):
     return None if impl == "xla" else SMALL
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("dtype,fn,m,k,p,n", [
-    (jnp.bfloat16, _gauss, 37, 50, 70, 45),  # K in two steps, ragged P chunk, ragged tiles
-    (jnp.float32, None, 1, 20, 33, 17),      # one K step (operand hoisted), a single row
-])
-def test_matches_golden(impl, side, dtype, fn, m, k, p, n):
-    rng = np.random.default_rng(m + k + p + n)
-    a, b, c = (random(rng, s, dtype, scale=0.5) for s in _shapes(side, m, k, p, n))
-    ours = functools.partial(jattn.b2b_matmul, fn=fn, side=side, config=_config(impl),
-                             implementation=impl)
-    out = jax.jit(ours)(a, b, c)
-    assert out.shape == (m, n) and out.dtype == dtype
-    reference = functools.partial(b2b_reference, fn=fn, side=side)
-    assert_close(out, golden(reference, a, b, c), low_precision(reference, a, b, c))
 
 
 def _check_gradients(impl, side, dtype, m, k, p, n, config):
@@ -69,30 +51,11 @@ def _check_gradients(impl, side, dtype, m, k, p, n, config):
     assert_gradients_close(ours, reference, args, cotangent, "a b c scale".split())
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gradients_with_captured_scale(impl, side, dtype):
-    """Random-cotangent gradients for a, b, c and a scalar fn closes over."""
-    _check_gradients(impl, side, dtype, 40, 24, 50, 30, _config(impl))
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_wide_output_falls_back_to_two_matmuls(side):
     """A held side over 256 (N for left, M for right) runs as two matmuls, same values."""
     m, n = (20, 300) if side == "left" else (300, 20)
     _check_gradients("interpret", side, jnp.bfloat16, m, 16, 24, n, None)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_gradients_are_deterministic(impl):
-    rng = np.random.default_rng(3)
-    a, b, c = (random(rng, s, jnp.bfloat16) for s in _shapes("left", 48, 40, 64, 32))
-    cotangent = random(rng, (48, 32), jnp.bfloat16)
-    ours = functools.partial(jattn.b2b_matmul, fn=jnp.tanh, config=_config(impl),
-                             implementation=impl)
-    fn = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))
-    assert_bitwise_equal_runs(lambda: fn(a, b, c))
 
 
 def test_leading_dims_of_a():
@@ -201,3 +164,56 @@ def test_default_configs_on_gpu(side, m, k, p, n, dtype):
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_gradients_on_gpu(side):
     _check_gradients("pallas_triton", side, jnp.bfloat16, 256, 128, 1000, 96, None)
+
+
+class B2bMatmulBackendTests:
+    """What every `b2b_matmul` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("side", ["left", "right"])
+    @pytest.mark.parametrize("dtype,fn,m,k,p,n", [
+        (jnp.bfloat16, _gauss, 37, 50, 70, 45),  # K in two steps, ragged P chunk, ragged tiles
+        (jnp.float32, None, 1, 20, 33, 17),      # one K step (operand hoisted), a single row
+    ])
+    def test_matches_golden(self, side, dtype, fn, m, k, p, n):
+        impl = self.implementation
+        rng = np.random.default_rng(m + k + p + n)
+        a, b, c = (random(rng, s, dtype, scale=0.5) for s in _shapes(side, m, k, p, n))
+        ours = functools.partial(jattn.b2b_matmul, fn=fn, side=side, config=_config(impl),
+                                 implementation=impl)
+        out = jax.jit(ours)(a, b, c)
+        assert out.shape == (m, n) and out.dtype == dtype
+        reference = functools.partial(b2b_reference, fn=fn, side=side)
+        assert_close(out, golden(reference, a, b, c), low_precision(reference, a, b, c))
+
+    @pytest.mark.parametrize("side", ["left", "right"])
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+    def test_gradients_with_captured_scale(self, side, dtype):
+        """Random-cotangent gradients for a, b, c and a scalar fn closes over."""
+        impl = self.implementation
+        _check_gradients(impl, side, dtype, 40, 24, 50, 30, _config(impl))
+
+    def test_gradients_are_deterministic(self):
+        impl = self.implementation
+        rng = np.random.default_rng(3)
+        a, b, c = (random(rng, s, jnp.bfloat16) for s in _shapes("left", 48, 40, 64, 32))
+        cotangent = random(rng, (48, 32), jnp.bfloat16)
+        ours = functools.partial(jattn.b2b_matmul, fn=jnp.tanh, config=_config(impl),
+                                 implementation=impl)
+        fn = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))
+        assert_bitwise_equal_runs(lambda: fn(a, b, c))
+
+
+class TestXla(B2bMatmulBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(B2bMatmulBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(B2bMatmulBackendTests):
+    implementation = "pallas_triton"

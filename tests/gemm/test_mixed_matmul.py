@@ -13,8 +13,8 @@ from jattn._src.gemm import pallas_triton_mixed
 from jattn._src.gemm.config import MatmulConfig, heuristic_mixed_config
 from jattn._src.gemm.quantize import pack_int4, unpack_int4
 from jattn._src.gemm.reference import mixed_matmul_reference
-from tests.helpers import (IMPLEMENTATIONS, assert_close, golden, low_precision, lower_for_cuda,
-                           random, random_cotangent_vjp)
+from tests.helpers import (assert_close, golden, low_precision, lower_for_cuda, random,
+                           random_cotangent_vjp)
 
 # Small tiles so that test shapes span several programs, ragged edges and a K tail.
 SMALL = MatmulConfig(block_m=16, block_n=32, block_k=64, group_m=1, num_warps=4, num_stages=2)
@@ -77,32 +77,6 @@ def test_default_scale_dtype_is_the_weights():
 # Values
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("bits,group_size", MODES)
-@pytest.mark.parametrize("m,n,k", [(37, 100, 192), (1, 17, 64)])
-def test_matches_golden(impl, bits, group_size, m, n, k):
-    rng = np.random.default_rng(m + n + k + bits)
-    _check(impl, *_inputs(rng, m, n, k, bits, group_size), bits, group_size, config=SMALL)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("bits", [8, 4])
-def test_ragged_k_tail_float16_and_leading_dims(impl, bits):
-    """K = 150 is not a multiple of block_k (a masked tail); a [2, 5, K] activation."""
-    rng = np.random.default_rng(5)
-    a, qweight, scales = _inputs(rng, 10, 40, 150, bits, None, jnp.float16)
-    _check(impl, a.reshape(2, 5, 150), qweight, scales, bits, None, config=SMALL)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 32)])
-def test_split_k_and_chunked_groups(impl, bits, group_size):
-    """split_k = 3 partial sums; block_k = 128 over groups of 32 (four chunks per K step) with
-    K = 352, so the last step holds three groups only."""
-    rng = np.random.default_rng(6)
-    config = MatmulConfig(16, 32, 128, 1, 4, 2, split_k=3)
-    _check(impl, *_inputs(rng, 20, 48, 352, bits, group_size), bits, group_size, config=config)
-
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_per_channel_scales_as_row_vector(impl):
@@ -114,29 +88,6 @@ def test_per_channel_scales_as_row_vector(impl):
 # ------------------------------------------------------------------------------------------------
 # Gradients
 # ------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("bits,group_size", [(8, None), (4, 32)])
-def test_gradients_of_a_and_scales(impl, bits, group_size):
-    rng = np.random.default_rng(8 + bits)
-    a, qweight, scales = _inputs(rng, 24, 40, 96, bits, group_size)
-    cotangent = random(rng, (24, 40), jnp.bfloat16)
-
-    def ours(a, scales):
-        return jattn.mixed_matmul(a, qweight, scales, bits=bits, group_size=group_size,
-                                  config=SMALL, implementation=impl)
-
-    def reference(a, scales, qweight, cotangent):
-        fn = functools.partial(mixed_matmul_reference, qweight=qweight, bits=bits,
-                               group_size=group_size)
-        return random_cotangent_vjp(lambda a, s: fn(a, scales=s), (a, scales), cotangent)
-
-    grads = jax.jit(lambda a, s: random_cotangent_vjp(ours, (a, s), cotangent))(a, scales)
-    args = (a, scales, qweight, cotangent)
-    gold, low = golden(reference, *args), low_precision(reference, *args)
-    for what, g, gg, lg in zip(("d_a", "d_scales"), grads, gold, low):
-        assert g.dtype == (a.dtype if what == "d_a" else scales.dtype)
-        assert_close(g, gg, lg, what=what)
 
 
 def test_gradient_of_the_integer_weight_raises():
@@ -256,3 +207,70 @@ def test_a_nan_weight_column_stays_nan():
                                group_size=group_size, implementation="xla")
         assert np.isnan(np.asarray(y[:, 1], np.float32)).all()
         assert not np.isnan(np.asarray(y[:, [0, 2, 3]], np.float32)).any()
+
+
+class MixedMatmulBackendTests:
+    """What every `mixed_matmul` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("bits,group_size", MODES)
+    @pytest.mark.parametrize("m,n,k", [(37, 100, 192), (1, 17, 64)])
+    def test_matches_golden(self, bits, group_size, m, n, k):
+        impl = self.implementation
+        rng = np.random.default_rng(m + n + k + bits)
+        _check(impl, *_inputs(rng, m, n, k, bits, group_size), bits, group_size, config=SMALL)
+
+    @pytest.mark.parametrize("bits", [8, 4])
+    def test_ragged_k_tail_float16_and_leading_dims(self, bits):
+        """K = 150 is not a multiple of block_k (a masked tail); a [2, 5, K] activation."""
+        impl = self.implementation
+        rng = np.random.default_rng(5)
+        a, qweight, scales = _inputs(rng, 10, 40, 150, bits, None, jnp.float16)
+        _check(impl, a.reshape(2, 5, 150), qweight, scales, bits, None, config=SMALL)
+
+    @pytest.mark.parametrize("bits,group_size", [(8, None), (4, 32)])
+    def test_split_k_and_chunked_groups(self, bits, group_size):
+        """split_k = 3 partial sums; block_k = 128 over groups of 32 (four chunks per K step) with
+        K = 352, so the last step holds three groups only."""
+        impl = self.implementation
+        rng = np.random.default_rng(6)
+        config = MatmulConfig(16, 32, 128, 1, 4, 2, split_k=3)
+        _check(impl, *_inputs(rng, 20, 48, 352, bits, group_size), bits, group_size, config=config)
+
+    @pytest.mark.parametrize("bits,group_size", [(8, None), (4, 32)])
+    def test_gradients_of_a_and_scales(self, bits, group_size):
+        impl = self.implementation
+        rng = np.random.default_rng(8 + bits)
+        a, qweight, scales = _inputs(rng, 24, 40, 96, bits, group_size)
+        cotangent = random(rng, (24, 40), jnp.bfloat16)
+
+        def ours(a, scales):
+            return jattn.mixed_matmul(a, qweight, scales, bits=bits, group_size=group_size,
+                                      config=SMALL, implementation=impl)
+
+        def reference(a, scales, qweight, cotangent):
+            fn = functools.partial(mixed_matmul_reference, qweight=qweight, bits=bits,
+                                   group_size=group_size)
+            return random_cotangent_vjp(lambda a, s: fn(a, scales=s), (a, scales), cotangent)
+
+        grads = jax.jit(lambda a, s: random_cotangent_vjp(ours, (a, s), cotangent))(a, scales)
+        args = (a, scales, qweight, cotangent)
+        gold, low = golden(reference, *args), low_precision(reference, *args)
+        for what, g, gg, lg in zip(("d_a", "d_scales"), grads, gold, low):
+            assert g.dtype == (a.dtype if what == "d_a" else scales.dtype)
+            assert_close(g, gg, lg, what=what)
+
+
+class TestXla(MixedMatmulBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(MixedMatmulBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(MixedMatmulBackendTests):
+    implementation = "pallas_triton"

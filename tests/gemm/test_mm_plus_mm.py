@@ -12,9 +12,8 @@ from jattn._src.gemm import pallas_triton
 from jattn._src.gemm.config import MatmulConfig
 from jattn._src.gemm.reference import mm_plus_mm_reference
 from jattn._src.user_functions import trace_with_captures
-from tests.helpers import (IMPLEMENTATIONS, assert_bitwise_equal_runs, assert_close,
-                           assert_gradients_close, golden, low_precision, lower_for_cuda, random,
-                           random_cotangent_vjp)
+from tests.helpers import (assert_bitwise_equal_runs, assert_close, assert_gradients_close, golden,
+                           low_precision, lower_for_cuda, random, random_cotangent_vjp)
 
 # Small tiles so that test shapes span several programs, ragged edges and K tails on both halves.
 SMALL = jattn.MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4,
@@ -28,65 +27,6 @@ def _gelu(x):
 def _operands(rng, m, n, k1, k2, dtype, lead=()):
     return (random(rng, (*lead, m, k1), dtype), random(rng, (k1, n), dtype),
             random(rng, (*lead, m, k2), dtype), random(rng, (k2, n), dtype))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("m,n,k1,k2", [(70, 50, 40, 90), (1, 17, 33, 16)])
-def test_matches_golden(impl, dtype, m, n, k1, k2):
-    rng = np.random.default_rng(m + n + k1 + k2)
-    operands = _operands(rng, m, n, k1, k2, dtype)
-    out = jax.jit(functools.partial(jattn.mm_plus_mm, config=SMALL,
-                                    implementation=impl))(*operands)
-    assert out.shape == (m, n) and out.dtype == dtype
-    assert_close(out, golden(mm_plus_mm_reference, *operands),
-                 low_precision(mm_plus_mm_reference, *operands))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_leading_dims_bias_epilogue_out_dtype(impl):
-    rng = np.random.default_rng(1)
-    operands = _operands(rng, 20, 40, 24, 56, jnp.bfloat16, lead=(2, 3))
-    bias = random(rng, (40,), jnp.float32)
-    fn = functools.partial(jattn.mm_plus_mm, bias=bias, epilogue=_gelu, out_dtype=jnp.float32,
-                           config=SMALL, implementation=impl)
-    out = jax.jit(fn)(*operands)
-    assert out.shape == (2, 3, 20, 40) and out.dtype == jnp.float32
-    reference = lambda *x: mm_plus_mm_reference(*x[:4], bias=x[4], epilogue=_gelu,
-                                                out_dtype=jnp.float32)
-    assert_close(out, golden(reference, *operands, bias),
-                 low_precision(reference, *operands, bias))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_gradients_with_bias_and_captured_scale(impl, dtype):
-    """Random-cotangent gradients for a, b, c, d, bias and a scalar the epilogue closes over."""
-    rng = np.random.default_rng(2)
-    operands = _operands(rng, 50, 36, 40, 20, dtype)
-    bias, scale = random(rng, (36,), jnp.float32), jnp.float32(1.7)
-    cotangent = random(rng, (50, 36), dtype)
-
-    def ours(a, b, c, d, bias, scale):
-        return jattn.mm_plus_mm(a, b, c, d, bias=bias, epilogue=lambda x: jnp.tanh(x) * scale,
-                                config=SMALL, implementation=impl)
-
-    def reference(a, b, c, d, bias, scale):
-        return mm_plus_mm_reference(a, b, c, d, bias=bias,
-                                    epilogue=lambda x: jnp.tanh(x) * scale)
-
-    args = (*operands, bias, scale)
-    assert_gradients_close(ours, reference, args, cotangent, "a b c d bias scale".split())
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_gradients_are_deterministic(impl):
-    rng = np.random.default_rng(3)
-    operands = _operands(rng, 64, 40, 48, 80, jnp.bfloat16)
-    cotangent = random(rng, (64, 40), jnp.bfloat16)
-    ours = functools.partial(jattn.mm_plus_mm, epilogue=_gelu, config=SMALL, implementation=impl)
-    fn = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))
-    assert_bitwise_equal_runs(lambda: fn(*operands))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,3 +119,79 @@ def test_default_configs_on_gpu(m, n, k1, k2, dtype):
     reference = lambda *x: mm_plus_mm_reference(*x[:4], bias=x[4], epilogue=_gelu)
     assert_close(out, golden(reference, *operands, bias),
                  low_precision(reference, *operands, bias))
+
+
+class MmPlusMmBackendTests:
+    """What every `mm_plus_mm` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+    @pytest.mark.parametrize("m,n,k1,k2", [(70, 50, 40, 90), (1, 17, 33, 16)])
+    def test_matches_golden(self, dtype, m, n, k1, k2):
+        impl = self.implementation
+        rng = np.random.default_rng(m + n + k1 + k2)
+        operands = _operands(rng, m, n, k1, k2, dtype)
+        out = jax.jit(functools.partial(jattn.mm_plus_mm, config=SMALL,
+                                        implementation=impl))(*operands)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert_close(out, golden(mm_plus_mm_reference, *operands),
+                     low_precision(mm_plus_mm_reference, *operands))
+
+    def test_leading_dims_bias_epilogue_out_dtype(self):
+        impl = self.implementation
+        rng = np.random.default_rng(1)
+        operands = _operands(rng, 20, 40, 24, 56, jnp.bfloat16, lead=(2, 3))
+        bias = random(rng, (40,), jnp.float32)
+        fn = functools.partial(jattn.mm_plus_mm, bias=bias, epilogue=_gelu, out_dtype=jnp.float32,
+                               config=SMALL, implementation=impl)
+        out = jax.jit(fn)(*operands)
+        assert out.shape == (2, 3, 20, 40) and out.dtype == jnp.float32
+        reference = lambda *x: mm_plus_mm_reference(*x[:4], bias=x[4], epilogue=_gelu,
+                                                    out_dtype=jnp.float32)
+        assert_close(out, golden(reference, *operands, bias),
+                     low_precision(reference, *operands, bias))
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+    def test_gradients_with_bias_and_captured_scale(self, dtype):
+        """Random-cotangent gradients for a, b, c, d, bias and a scalar the epilogue closes over."""
+        impl = self.implementation
+        rng = np.random.default_rng(2)
+        operands = _operands(rng, 50, 36, 40, 20, dtype)
+        bias, scale = random(rng, (36,), jnp.float32), jnp.float32(1.7)
+        cotangent = random(rng, (50, 36), dtype)
+
+        def ours(a, b, c, d, bias, scale):
+            return jattn.mm_plus_mm(a, b, c, d, bias=bias, epilogue=lambda x: jnp.tanh(x) * scale,
+                                    config=SMALL, implementation=impl)
+
+        def reference(a, b, c, d, bias, scale):
+            return mm_plus_mm_reference(a, b, c, d, bias=bias,
+                                        epilogue=lambda x: jnp.tanh(x) * scale)
+
+        args = (*operands, bias, scale)
+        assert_gradients_close(ours, reference, args, cotangent, "a b c d bias scale".split())
+
+    def test_gradients_are_deterministic(self):
+        impl = self.implementation
+        rng = np.random.default_rng(3)
+        operands = _operands(rng, 64, 40, 48, 80, jnp.bfloat16)
+        cotangent = random(rng, (64, 40), jnp.bfloat16)
+        ours = functools.partial(jattn.mm_plus_mm, epilogue=_gelu, config=SMALL,
+                                 implementation=impl)
+        fn = jax.jit(lambda *x: random_cotangent_vjp(ours, x, cotangent))
+        assert_bitwise_equal_runs(lambda: fn(*operands))
+
+
+class TestXla(MmPlusMmBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(MmPlusMmBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(MmPlusMmBackendTests):
+    implementation = "pallas_triton"

@@ -12,8 +12,7 @@ import jattn
 from jattn._src.gemm import pallas_triton
 from jattn._src.gemm.config import MatmulConfig, heuristic_config
 from jattn._src.gemm.reference import scaled_matmul_reference
-from tests.helpers import (COMPILED_IMPLEMENTATIONS, IMPLEMENTATIONS, assert_close, golden,
-                           low_precision, lower_for_cuda, random)
+from tests.helpers import assert_close, golden, low_precision, lower_for_cuda, random
 
 # Small tiles so that test shapes span several programs, ragged edges and a K tail.
 SMALL = jattn.MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4,
@@ -45,48 +44,6 @@ def _check(impl, a, b, scale_a, scale_b, bias, out_dtype, **kwargs):
     args = (a, b, scale_a, scale_b, bias)
     # fp8 upcasts exactly, so the float64 golden sees the very values the kernel multiplies.
     assert_close(out, golden(reference, *args), low_precision(reference, *args))
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("mode", ["tensor", "row"])
-@pytest.mark.parametrize("m,n,k", [(70, 50, 90), (1, 17, 33)])
-def test_matches_golden(impl, dtype, mode, m, n, k):
-    rng = np.random.default_rng(m + n + k)
-    _check(impl, *_inputs(rng, m, n, k, dtype, mode), jnp.bfloat16, config=SMALL)
-
-
-@pytest.mark.parametrize("impl", COMPILED_IMPLEMENTATIONS + ["interpret"])
-@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
-def test_each_out_dtype_without_bias(impl, out_dtype):
-    rng = np.random.default_rng(1)
-    _check(impl, *_inputs(rng, 40, 48, 72, jnp.float8_e4m3fn, "row", with_bias=False),
-           out_dtype, config=SMALL)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_mixed_scale_modes_and_2d_scales(impl):
-    """scale_a row-wise as [M, 1] with a tensor-wise scale_b of shape (1,), and the reverse."""
-    rng = np.random.default_rng(2)
-    a, b, row_a, row_b, bias = _inputs(rng, 36, 40, 48, jnp.float8_e5m2, "row")
-    one = jnp.asarray([0.75], jnp.float32)
-    _check(impl, a, b, row_a.reshape(-1, 1), one, bias, jnp.float32, config=SMALL)
-    _check(impl, a, b, one.reshape(()), row_b.reshape(1, -1), bias, jnp.float32, config=SMALL)
-
-
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_both_accumulation_modes_match_golden(impl):
-    """use_fast_accum changes the GPU kernel's fp8 accumulation only (see the docstring): both
-    modes meet the golden tolerance; the xla and interpret paths give equal results."""
-    rng = np.random.default_rng(3)
-    args = _inputs(rng, 64, 32, 256, jnp.float8_e4m3fn, "tensor")
-    outs = []
-    for fast in (False, True):
-        _check(impl, *args, jnp.float32, config=SMALL, use_fast_accum=fast)
-        outs.append(jattn.scaled_matmul(*args[:4], bias=args[4], out_dtype=jnp.float32,
-                                        config=SMALL, use_fast_accum=fast, implementation=impl))
-    if impl != "pallas_triton":
-        np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
@@ -208,3 +165,61 @@ def test_default_configs_on_gpu(m, n, k, dtype, mode, fast):
     rng = np.random.default_rng(m + n + k)
     _check("pallas_triton", *_inputs(rng, m, n, k, dtype, mode), jnp.bfloat16,
            use_fast_accum=fast)
+
+
+class ScaledMatmulBackendTests:
+    """What every `scaled_matmul` backend must do: each backend's class below names it, and a new
+    backend is one more class."""
+
+    implementation: str
+
+    @pytest.mark.parametrize("dtype", FP8)
+    @pytest.mark.parametrize("mode", ["tensor", "row"])
+    @pytest.mark.parametrize("m,n,k", [(70, 50, 90), (1, 17, 33)])
+    def test_matches_golden(self, dtype, mode, m, n, k):
+        impl = self.implementation
+        rng = np.random.default_rng(m + n + k)
+        _check(impl, *_inputs(rng, m, n, k, dtype, mode), jnp.bfloat16, config=SMALL)
+
+    @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+    def test_each_out_dtype_without_bias(self, out_dtype):
+        impl = self.implementation
+        rng = np.random.default_rng(1)
+        _check(impl, *_inputs(rng, 40, 48, 72, jnp.float8_e4m3fn, "row", with_bias=False),
+               out_dtype, config=SMALL)
+
+    def test_mixed_scale_modes_and_2d_scales(self):
+        """scale_a row-wise as [M, 1] with a tensor-wise scale_b of shape (1,), and the reverse."""
+        impl = self.implementation
+        rng = np.random.default_rng(2)
+        a, b, row_a, row_b, bias = _inputs(rng, 36, 40, 48, jnp.float8_e5m2, "row")
+        one = jnp.asarray([0.75], jnp.float32)
+        _check(impl, a, b, row_a.reshape(-1, 1), one, bias, jnp.float32, config=SMALL)
+        _check(impl, a, b, one.reshape(()), row_b.reshape(1, -1), bias, jnp.float32, config=SMALL)
+
+    def test_both_accumulation_modes_match_golden(self):
+        """use_fast_accum changes the GPU kernel's fp8 accumulation only (see the docstring): both
+        modes meet the golden tolerance; the xla and interpret paths give equal results."""
+        impl = self.implementation
+        rng = np.random.default_rng(3)
+        args = _inputs(rng, 64, 32, 256, jnp.float8_e4m3fn, "tensor")
+        outs = []
+        for fast in (False, True):
+            _check(impl, *args, jnp.float32, config=SMALL, use_fast_accum=fast)
+            outs.append(jattn.scaled_matmul(*args[:4], bias=args[4], out_dtype=jnp.float32,
+                                            config=SMALL, use_fast_accum=fast, implementation=impl))
+        if impl != "pallas_triton":
+            np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+class TestXla(ScaledMatmulBackendTests):
+    implementation = "xla"
+
+
+class TestInterpret(ScaledMatmulBackendTests):
+    implementation = "interpret"
+
+
+@pytest.mark.gpu
+class TestPallasTriton(ScaledMatmulBackendTests):
+    implementation = "pallas_triton"
