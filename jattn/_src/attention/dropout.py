@@ -9,7 +9,7 @@ The hash: murmur3's 32-bit finaliser (a bijection with full avalanche) gives a p
 key, and from it one word per row and one per key position; a weight's bits are those two
 words xored and mixed by a shortened finaliser (multiply, xorshift, multiply), so that a score
 tile spends six integer operations a weight where a full finaliser of the four positions
-spends eleven: the hash, not the products, bounds a kernel with dropout on the H100 and H200.
+spends eleven: on the H100 and H200 the hash is most of what dropout costs a kernel.
 int32 arithmetic that wraps and logical shifts, which XLA, Triton and the Pallas interpreter
 compute alike. A weight is kept where the hash, unsigned, reaches round(rate · 2³²).
 """
