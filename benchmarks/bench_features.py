@@ -7,9 +7,9 @@ gradient included), dropout (`dropout_rate=0.1`, a key per input set) forward + 
 the rows' largest scores (`return_max_scores=True`) forward, each against the plain call on
 the same inputs: ratio = time with / time without. Forward mode: jax.jvp in q, k and v (the
 tangent kernel), against the same jvp with the XLA JVP as the tangents (the path a moving
-captured array takes) and against forward + backward. Dropout runs on pallas_triton (the Mosaic
-kernels do not apply it), so it is also timed against the plain call on pallas_triton. bf16,
-causal, jitted, inputs rotated out of L2 (`benchmarks.timing`).
+captured array takes) and against forward + backward. Dropout runs on pallas_triton by
+default, so it is also timed against the plain call on pallas_triton, and on the Mosaic
+kernels against theirs. bf16, causal, jitted, inputs rotated out of L2 (`benchmarks.timing`).
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ def bench_case(B: int, H: int, L: int, D: int) -> dict:
     def with_sinks(q, k, v, sinks, key):
         return jattn.flex_attention(q, k, v, block_mask=mask, sinks=sinks)
 
-    def with_dropout(q, k, v, sinks, key):
+    def with_dropout(q, k, v, sinks, key, implementation=None):
         return jattn.flex_attention(q, k, v, block_mask=mask, dropout_rate=0.1,
-                                    dropout_key=key)
+                                    dropout_key=key, implementation=implementation)
 
     def with_max(q, k, v, sinks, key):
         return jattn.flex_attention(q, k, v, block_mask=mask, return_max_scores=True)
@@ -85,6 +85,10 @@ def bench_case(B: int, H: int, L: int, D: int) -> dict:
              "dropout_fwd_bwd": time_jax(keyed_fwd_bwd(with_dropout), sets),
              "triton_fwd_bwd": time_jax(keyed_fwd_bwd(
                  lambda *args: plain(*args, implementation="pallas_triton")), sets),
+             "mosaic_fwd_bwd": time_jax(keyed_fwd_bwd(
+                 lambda *args: plain(*args, implementation="pallas_mosaic_gpu")), sets),
+             "mosaic_dropout_fwd_bwd": time_jax(keyed_fwd_bwd(
+                 lambda *args: with_dropout(*args, implementation="pallas_mosaic_gpu")), sets),
              "plain_fwd": time_jax(plain, sets),
              "max_scores_fwd": time_jax(with_max, sets),
              "jvp": time_jax(jvp, sets), "jvp_xla_tangents": xla_jvp}
@@ -94,13 +98,17 @@ def bench_case(B: int, H: int, L: int, D: int) -> dict:
            "dropout_ratio": round(times["dropout_fwd_bwd"] / times["plain_fwd_bwd"], 4),
            "dropout_vs_triton_ratio": round(times["dropout_fwd_bwd"] / times["triton_fwd_bwd"],
                                             4),
+           "mosaic_dropout_ratio": round(times["mosaic_dropout_fwd_bwd"]
+                                         / times["mosaic_fwd_bwd"], 4),
            "max_scores_ratio": round(times["max_scores_fwd"] / times["plain_fwd"], 4),
            "jvp_vs_fwd_bwd": round(times["jvp"] / times["plain_fwd_bwd"], 4),
            "xla_tangents_vs_kernel": round(times["jvp_xla_tangents"] / times["jvp"], 4)}
     print(f"{row['case']}: sinks fwd+bwd {row['sinks_fwd_bwd']:.3f} vs "
           f"{row['plain_fwd_bwd']:.3f} ms ({row['sinks_ratio']:.3f}x); dropout fwd+bwd "
           f"{row['dropout_fwd_bwd']:.3f} ms ({row['dropout_ratio']:.3f}x, "
-          f"{row['dropout_vs_triton_ratio']:.3f}x pallas_triton's plain); max scores fwd "
+          f"{row['dropout_vs_triton_ratio']:.3f}x pallas_triton's plain; Mosaic "
+          f"{row['mosaic_dropout_fwd_bwd']:.3f} ms, {row['mosaic_dropout_ratio']:.3f}x its "
+          f"plain); max scores fwd "
           f"{row['max_scores_fwd']:.3f} vs {row['plain_fwd']:.3f} ms "
           f"({row['max_scores_ratio']:.3f}x); jvp {row['jvp']:.3f} ms "
           f"({row['jvp_vs_fwd_bwd']:.3f}x fwd+bwd; XLA tangents {row['jvp_xla_tangents']:.3f} ms, "

@@ -1,24 +1,43 @@
 """flex_attention's output, LSE and random-cotangent gradients against the float64 golden."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn._src.attention import dropout
 from jattn._src.attention.reference import attention_reference
 from tests.helpers import (assert_close, golden, low_precision, map_reference, random,
                            random_cotangent_vjp)
 
 
+def dropout_mask(key, rate, shape, shared=False):
+    """The dropout mask [B, H, L, S] the implementations draw for `key`."""
+    problem = types.SimpleNamespace(Hq=shape[1], dropout=rate, dropout_shared=shared)
+    seed = dropout.checked_dropout("test", rate, key).seed
+    b, h, q_idx, kv_idx = (jnp.arange(n, dtype=jnp.int32).reshape(
+        [-1 if i == axis else 1 for i in range(4)]) for axis, n in enumerate(shape))
+    return jnp.broadcast_to(dropout.kept(problem, seed[0], seed[1], b, h, q_idx, kv_idx), shape)
+
+
 def check_against_golden(impl, q, k, v, score_mod=None, block_mask=None, *, grads=True,
-                         seed=0, config=None, deterministic=True):
-    """Output, LSE and random-cotangent gradients (q, k, v) against the golden."""
+                         seed=0, config=None, deterministic=True, dropout_rate=0.0,
+                         dropout_key=None):
+    """Output, LSE and random-cotangent gradients (q, k, v) against the golden; with
+    dropout_rate, the golden drops the weights the implementations drop for dropout_key."""
     run = functools.partial(jattn.flex_attention, score_mod=score_mod, block_mask=block_mask,
                             enable_gqa=True, return_lse=True, config=config, implementation=impl,
-                            deterministic=deterministic)
-    ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask)
+                            deterministic=deterministic, dropout_rate=dropout_rate,
+                            dropout_key=dropout_key)
+    dropped = None
+    if dropout_rate:
+        shape = (*q.shape[:3], k.shape[2])
+        dropped = (dropout_mask(dropout_key, dropout_rate, shape), dropout_rate)
+    ref = functools.partial(attention_reference, score_mod=score_mod, block_mask=block_mask,
+                            dropout=dropped)
     out, lse = jax.jit(run)(q, k, v)
     gold_out, gold_lse = golden(ref, q, k, v)
     low_out, low_lse = low_precision(ref, q, k, v)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import jattn
-from jattn._src.attention import dropout
 from jattn._src.attention.reference import attention_reference
+from tests.attention.golden import dropout_mask
 from tests.helpers import assert_close, assert_gradients_close, golden, low_precision, random
 
 B, Hq, Hkv, L, S, E = 2, 4, 2, 48, 80, 16
@@ -25,15 +25,6 @@ def _tilt(score, b, h, q_idx, kv_idx):
 
 def _window(b, h, q_idx, kv_idx):
     return (kv_idx <= q_idx + 20) & (kv_idx > q_idx - 40)
-
-
-def _mask(key, rate, shape, shared=False):
-    """The dropout mask [B, H, L, S] the implementations draw for `key`."""
-    problem = types.SimpleNamespace(Hq=shape[1], dropout=rate, dropout_shared=shared)
-    seed = dropout.checked_dropout("test", rate, key).seed
-    b, h, q_idx, kv_idx = (jnp.arange(n, dtype=jnp.int32).reshape(
-        [-1 if i == axis else 1 for i in range(4)]) for axis, n in enumerate(shape))
-    return jnp.broadcast_to(dropout.kept(problem, seed[0], seed[1], b, h, q_idx, kv_idx), shape)
 
 
 def test_every_implementation_draws_the_same_mask_and_each_key_its_own():
@@ -56,7 +47,7 @@ def test_every_implementation_draws_the_same_mask_and_each_key_its_own():
 @pytest.mark.parametrize("rate", [0.1, 0.5, 0.9])
 def test_weights_are_kept_at_one_minus_the_rate_independently_across_heads_and_batches(rate):
     shape = (4, 8, 256, 256)
-    kept = np.asarray(_mask(jax.random.key(11), rate, shape))
+    kept = np.asarray(dropout_mask(jax.random.key(11), rate, shape))
     n = kept[0, 0].size
     sigma = np.sqrt(rate * (1 - rate) / n)
     fractions = kept.mean(axis=(2, 3))
@@ -79,8 +70,23 @@ def test_weights_are_kept_at_one_minus_the_rate_independently_across_heads_and_b
     assert abs(odd - want) < 5 * np.sqrt(want * (1 - want) / apart.sum()), (odd, want)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_word_tables_give_the_same_mask(shared):
+    """The row and key words the Mosaic kernels load (`word_tables`) make the mask `kept`
+    hashes from positions."""
+    from jattn._src.attention import dropout
+
+    shape = (2, 3, 40, 56)
+    key = jax.random.key(5)
+    problem = types.SimpleNamespace(B=2, Hq=3, L=40, S=56, dropout=0.3, dropout_shared=shared)
+    rows, columns = dropout.word_tables(problem, dropout.checked_dropout("test", 0.3, key).seed)
+    kept = dropout.kept_from_words(problem, rows[..., :, None], columns[..., None, :])
+    np.testing.assert_array_equal(jnp.broadcast_to(kept, shape),
+                                  dropout_mask(key, 0.3, shape, shared=shared))
+
+
 def test_a_shared_mask_is_every_batch_and_heads():
-    kept = np.asarray(_mask(jax.random.key(2), 0.4, (3, 4, 64, 64), shared=True))
+    kept = np.asarray(dropout_mask(jax.random.key(2), 0.4, (3, 4, 64, 64), shared=True))
     assert np.all(kept == kept[:1, :1])
 
 
@@ -121,7 +127,7 @@ def test_forward_mode_through_dropout(impl):
     rng = np.random.default_rng(2)
     q, k, v, dq, dk, dv = (random(rng, (1, 2, 32, 8)) for _ in range(6))
     key = jax.random.key(9)
-    kept = _mask(key, RATE, (1, 2, 32, 32))
+    kept = dropout_mask(key, RATE, (1, 2, 32, 32))
     _, ours = jax.jvp(lambda q, k, v: jattn.flex_attention(
         q, k, v, implementation=impl, dropout_rate=RATE, dropout_key=key), (q, k, v),
         (dq, dk, dv))
@@ -143,7 +149,7 @@ class DropoutBackendTests:
         k, v = (random(rng, (B, Hkv, S, E)) for _ in range(2))
         key = jax.random.key(7)
         block_mask = jattn.create_block_mask(_window, None, None, L, S, block_size=16)
-        kept = _mask(key, RATE, (B, Hq, L, S))
+        kept = dropout_mask(key, RATE, (B, Hq, L, S))
 
         def ours(q, k, v):
             return jattn.flex_attention(q, k, v, _tilt, block_mask, enable_gqa=True,

@@ -42,7 +42,6 @@ def _facts(**changes):
     ({"value_dim": 64}, "equal q/k and v head dims"),
     ({"seq_lengths": (1000, 1024)}, "multiples of 128"),
     ({"block_size": (64, 64)}, r"\(128, 128\) blocks"),
-    ({"dropout": True}, "does not apply dropout"),
     ({"unreadable_capture": "mask_mod reads a captured int32[512] array through a gather"},
      r"by element .* or by position .* mask_mod reads a captured int32\[512\]"),
 ])
@@ -581,6 +580,54 @@ def test_backward_lowers_to_the_mosaic_kernels_where_it_runs(as_if_on_hopper, mo
                           _spec(kv_batch, 2, L, E))
     assert ("jattn_flex_bwd_dq" in text) == (mosaic_kernels == 1)
     assert text.count("custom_call @mosaic_gpu") == mosaic_kernels
+
+
+@pytest.mark.parametrize("E, deterministic, mosaic_kernels", [(128, True, 3), (64, False, 2)])
+def test_dropout_lowers_to_the_mosaic_kernels(as_if_on_hopper, E, deterministic,
+                                              mosaic_kernels):
+    """The forward and both backward kernels (or the dK/dV kernel reduce-adding dQ) drop the
+    weights by the word tables they load; a score_mod and a mask_mod beside them."""
+    pytest.importorskip("absl")
+    B, Hq, L = 2, 4, 512
+    block_mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, L, L)
+
+    def gradients(q, k, v, key):
+        def attention(q, k, v):
+            return jattn.flex_attention(q, k, v, jattn.mods.softcap(20.0), block_mask,
+                                        enable_gqa=True, implementation=MOSAIC,
+                                        dropout_rate=0.1, dropout_key=key,
+                                        deterministic=deterministic)
+        return jax.vjp(attention, q, k, v)[1](jnp.ones((B, Hq, L, E), jnp.bfloat16))
+
+    text = lower_for_cuda(gradients, _spec(B, Hq, L, E), _spec(B, 2, L, E), _spec(B, 2, L, E),
+                          jax.random.key(0))
+    assert text.count("custom_call @mosaic_gpu") == mosaic_kernels
+
+
+def test_dropout_runs_on_pallas_triton_by_default(as_if_on_hopper):
+    q = jnp.zeros((1, 2, 512, 64), jnp.bfloat16)
+
+    def attention(q):
+        return jattn.flex_attention(q, q, q, dropout_rate=0.1, dropout_key=jax.random.key(0))
+
+    text = jattn.explain(attention, q)
+    assert text.startswith("flex_attention: pallas_triton"), text
+    assert "dropout has not been timed" in text, text
+
+
+@gpu
+@pytest.mark.parametrize("name, deterministic", [("full bf16 d128", True),
+                                                 ("causal fp16 d64 gqa", True),
+                                                 ("causal fp16 d64 gqa", False),
+                                                 ("documents head bias", True)])
+def test_dropout_matches_the_golden_with_the_same_mask(name, deterministic):
+    """The Mosaic kernels drop the weights every implementation drops for the key: output,
+    LSE and gradients against the float64 golden of that mask."""
+    B, Hq, Hkv, L, E, dtype, score_mod, mask_mod = CASES[name]
+    q, k, v = _inputs(B, Hq, Hkv, L, E, dtype)
+    block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, None, L, L)
+    check_against_golden(MOSAIC, q, k, v, score_mod, block_mask, deterministic=deterministic,
+                         dropout_rate=0.2, dropout_key=jax.random.key(4))
 
 
 def test_explain_names_the_backward_that_runs_elsewhere(as_if_on_hopper):

@@ -285,8 +285,9 @@ def flex_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         and a JAX PRNG key, which may be traced; split it anew each step): each weight is kept
         with probability 1 - rate and scaled by 1 / (1 - rate), the same mask on every
         implementation for a given key, regenerated in the backward (nothing of size L x S is
-        stored). The LSE is the softmax's, before dropout. The pallas_mosaic_gpu kernels do
-        not apply it: such a call runs on pallas_triton.
+        stored). The LSE is the softmax's, before dropout. On Hopper such a call runs on
+        pallas_triton unless implementation="pallas_mosaic_gpu" asks for those kernels
+        (docs/attention.md).
       deterministic: True (default) makes the gradients bitwise equal from run to run. False
         lets the backward add partial sums in the order they arrive where that is faster:
         the pallas_mosaic_gpu backward at head dim 64 then computes dQ inside its dK/dV
@@ -600,4 +601,9 @@ def _without_captures(problem: Problem) -> Problem:
     decode = problem.decode
     if decode is not None:
         decode = dataclasses.replace(decode, mods=without_captures(decode.mods))
-    return dataclasses.replace(problem, decode=decode, **mods)
+    mosaic = {}
+    if problem.mosaic_backward is not None:
+        mosaic["mosaic_backward"] = tuple(map(without_captures, problem.mosaic_backward))
+    if problem.mosaic_dropout is not None:
+        mosaic["mosaic_dropout"] = tuple(f.without_captures() for f in problem.mosaic_dropout)
+    return dataclasses.replace(problem, decode=decode, **mods, **mosaic)

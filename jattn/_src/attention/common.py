@@ -69,6 +69,9 @@ class Problem:
     deterministic: bool = True  # gradients bitwise repeatable (flex_attention's argument)
     # The Mosaic GPU backward's mods (dQ tile, dK/dV tile) where it runs; None: pallas_triton's
     mosaic_backward: tuple[Mods, Mods] | None = None
+    # The Mosaic GPU kernels' dropout keep(b, h, q_idx, kv_idx), reading dropout.word_tables,
+    # at the forward and dQ tile and at the dK/dV tile; None without dropout
+    mosaic_dropout: tuple[Any, Any] | None = None
     # Why the backward runs on pallas_triton's kernels behind another forward (`explain`)
     backward_fallback: str | None = None
 

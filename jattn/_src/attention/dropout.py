@@ -99,19 +99,45 @@ def kept(p, seed0, seed1, b, h, q_idx, kv_idx):
     """Whether each weight of problem p's call at (b, h, q_idx, kv_idx) is kept (broadcast
     int32 positions; seed0, seed1 the seed's words). With p.dropout_shared every batch and head
     draws the same mask (Flax's broadcast_dropout)."""
-    # (uint32 seed words become the int32 of the same bits)
-    seed0, seed1, b, h, q_idx, kv_idx = (lax.convert_element_type(x, jnp.int32)
-                                         for x in (seed0, seed1, b, h, q_idx, kv_idx))
-    if p.dropout_shared:
-        b = h = jnp.int32(0)
-    head = _mix(seed0 ^ _mix(seed1 + (b * jnp.int32(p.Hq) + h) * jnp.int32(_GOLDEN)))
+    head = _head(p, seed0, seed1, b, h)
     # per row and per key position: vectors in a kernel's tile, mixed once each
-    row = _mix(head ^ (q_idx * jnp.int32(_MIX2)))
-    column = _mix((head ^ jnp.int32(_GOLDEN)) + kv_idx * jnp.int32(_GOLDEN))
+    return kept_from_words(p, _row_word(head, q_idx), _column_word(head, kv_idx))
+
+
+def word_tables(p, seed) -> tuple[jax.Array, jax.Array]:
+    """The row words [Bd, Hd, L] and key words [Bd, Hd, S] (int32) of `kept` for the call's
+    `seed`, Bd = B and Hd = Hq (1 and 1 with p.dropout_shared): for kernels that read them
+    from memory by position rather than hash positions in their tiles (pallas_mosaic_gpu)."""
+    batches, heads = (1, 1) if p.dropout_shared else (p.B, p.Hq)
+    head = _head(p, seed[0], seed[1], jnp.arange(batches, dtype=jnp.int32)[:, None, None],
+                 jnp.arange(heads, dtype=jnp.int32)[None, :, None])
+    return (_row_word(head, jnp.arange(p.L, dtype=jnp.int32)),
+            _column_word(head, jnp.arange(p.S, dtype=jnp.int32)))
+
+
+def kept_from_words(p, row, column):
+    """`kept` from a weight's row word and key word (broadcast int32)."""
     bits = (row ^ column) * jnp.int32(_MIX1)
     bits = (bits ^ lax.shift_right_logical(bits, jnp.int32(15))) * jnp.int32(_MIX2)
     return (lax.convert_element_type(bits, jnp.uint32)
             >= jnp.uint32(threshold(p.dropout)))
+
+
+def _head(p, seed0, seed1, b, h):
+    # (uint32 seed words become the int32 of the same bits)
+    seed0, seed1, b, h = (lax.convert_element_type(x, jnp.int32) for x in (seed0, seed1, b, h))
+    if p.dropout_shared:
+        b = h = jnp.int32(0)
+    return _mix(seed0 ^ _mix(seed1 + (b * jnp.int32(p.Hq) + h) * jnp.int32(_GOLDEN)))
+
+
+def _row_word(head, q_idx):
+    return _mix(head ^ (lax.convert_element_type(q_idx, jnp.int32) * jnp.int32(_MIX2)))
+
+
+def _column_word(head, kv_idx):
+    return _mix((head ^ jnp.int32(_GOLDEN))
+                + lax.convert_element_type(kv_idx, jnp.int32) * jnp.int32(_GOLDEN))
 
 
 def weights_scale(p) -> float:

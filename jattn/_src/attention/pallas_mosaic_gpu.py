@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jattn._src import hardware
+from jattn._src.attention import dropout
 from jattn._src.attention import pallas_mosaic_gpu_mods as in_kernel
 from jattn._src.attention import pallas_triton
 from jattn._src.attention.common import Mods, Problem, trace_mods
@@ -37,14 +38,12 @@ HEAD_DIMS = (64, 128)
 
 def unsupported(*, dtype=None, head_dim=None, value_dim=None, seq_lengths=None,
                 block_size=None, unreadable_capture=None,
-                max_scores=False, dropout=False, **facts) -> str | None:
+                max_scores=False, **facts) -> str | None:
     """Why the Mosaic GPU forward cannot run a call (None when it can)."""
     if not hardware.is_hopper():
         return f"it needs a Hopper GPU (sm_90), not {hardware.device_kind()}."
     if max_scores:
         return "it does not return the rows' largest scores; pallas_triton's forward does."
-    if dropout:
-        return "it does not apply dropout to the attention weights; pallas_triton's kernels do."
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
         return f"it takes bfloat16 or float16 inputs, not {jnp.dtype(dtype)}."
     if head_dim is not None and (head_dim not in HEAD_DIMS or value_dim != head_dim):
@@ -82,12 +81,15 @@ TORCH_EAGER_MIN_WORK = 10**12
 
 
 def slower(*, head_dim=None, seq_lengths=None, score_mod=None, torch_eager_work=None,
-           **facts) -> str | None:
+           dropout=False, **facts) -> str | None:
     """Why the default choice passes this forward over for a call it supports: where
     benchmarks/bench_mosaic_selection.py finds pallas_triton's forward faster (bf16: head dim
     64 below 4096 queries without a score_mod; this forward leads everywhere else; numbers in
-    benchmarks/HISTORY.md), and for an eager torch op call (`torch_eager_work`: its work) too
-    small to repay going through JAX."""
+    benchmarks/HISTORY.md), for an eager torch op call (`torch_eager_work`: its work) too
+    small to repay going through JAX, and for dropout until these kernels' is timed."""
+    if dropout:
+        return ("pallas_triton's kernels apply dropout at a measured cost; these kernels' "
+                "dropout has not been timed against them yet.")
     if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
         return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
                 "score_mod (measured 0.94-0.98x).")
@@ -146,7 +148,32 @@ def specialise(p: Problem, *, score_mod, mask_mod, score_set: CaptureSet, mask_s
     if fallback is not None:
         mosaic_backward = None
     return dataclasses.replace(p, fwd=fwd, decode=None, mosaic_backward=mosaic_backward,
-                               backward_fallback=fallback)
+                               backward_fallback=fallback,
+                               mosaic_dropout=_dropout_keeps(p) if p.dropout else None)
+
+
+def _dropout_keeps(p: Problem) -> tuple:
+    """dropout.kept as keep(b, h, q_idx, kv_idx) reading the call's `dropout.word_tables` (a
+    row's word and a key's word, loaded along the tile as a mask_mod's doc_ids[b, q_idx]
+    are), traced at the forward and dQ tile and at the dK/dV tile."""
+    rows, columns = (jnp.zeros(shape.shape, shape.dtype) for shape in jax.eval_shape(
+        lambda: dropout.word_tables(p, jnp.zeros((2,), jnp.uint32))))
+
+    def keep(b, h, q_idx, kv_idx):
+        if p.dropout_shared:
+            b = h = 0
+        return dropout.kept_from_words(p, rows[b, h, q_idx], columns[b, h, kv_idx])
+
+    tables = CaptureSet((rows, columns))
+    return tuple(tables.trace(keep, _tile_signature(tile)[1]) for tile in (TILE, DKDV_TILE))
+
+
+def _dropout_operands(p: Problem, mask_caps) -> tuple[list, list, list]:
+    """(the mask_mod's captured arrays, the dropout word tables or [], their avals) of a call
+    whose mask captures end with the dropout seed (`dropout.with_seed`)."""
+    mask_caps, seed = dropout.split(p, mask_caps)
+    tables = [] if seed is None else list(dropout.word_tables(p, seed))
+    return list(mask_caps), tables, [jax.typeof(t) for t in tables]
 
 
 def _kernel_mod(fn, avals, seq_lengths, tile=TILE, *, transposed=False, trailing=0):
@@ -175,12 +202,16 @@ def forward(p: Problem, q, k, v, lists: MaskLists, score_caps, mask_caps):
     from jattn._src.attention import pallas_mosaic_gpu_fwd as kernel
 
     mods: Mods = p.fwd
+    mask_caps, tables, table_avals = _dropout_operands(p, mask_caps)
     avals = [jax.typeof(c) for c in (*score_caps, *mask_caps)]
     return kernel.forward(p, lists.has_full, q, k, v, lists.major("kv"),
                           [_kernel_operand(c) for c in score_caps],
                           [_kernel_operand(c) for c in mask_caps],
+                          [_kernel_operand(t) for t in tables],
                           _kernel_mod(mods.score, avals[:len(score_caps)], (p.L, p.S)),
-                          _kernel_mod(mods.mask, avals[len(score_caps):], (p.L, p.S)))
+                          _kernel_mod(mods.mask, avals[len(score_caps):], (p.L, p.S)),
+                          _kernel_mod(p.mosaic_dropout and p.mosaic_dropout[0], table_avals,
+                                      (p.L, p.S)))
 
 
 def tangents(p: Problem, residuals, linear):
@@ -199,16 +230,19 @@ def backward(p: Problem, res, d_out, d_lse):
 
     delta, lse2 = pallas_triton_bwd.delta_and_lse2(
         p, res.out, res.lse, d_out, d_lse, compiler_params(4, 1, compiler=p.config.bwd_compiler))
-    n_score = len(res.score_captures)
-    avals = [jax.typeof(c) for c in (*res.score_captures, *res.mask_captures)]
-    score_avals, mask_avals = avals[:n_score], avals[n_score:]
+    mask_caps, tables, table_avals = _dropout_operands(p, res.mask_captures)
+    score_avals = [jax.typeof(c) for c in res.score_captures]
+    mask_avals = [jax.typeof(c) for c in mask_caps]
+    keeps = p.mosaic_dropout or (None, None)
     fns = []
-    for mods, tile, transposed in zip(p.mosaic_backward, (TILE, DKDV_TILE), (False, True)):
+    for mods, keep, tile, transposed in zip(p.mosaic_backward, keeps, (TILE, DKDV_TILE),
+                                            (False, True)):
         mod = functools.partial(_kernel_mod, seq_lengths=(p.L, p.S), tile=tile,
                                 transposed=transposed)
         fns.append((mod(mods.score, score_avals), mod(mods.score_vjp, score_avals, trailing=1),
-                    mod(mods.mask, mask_avals)))
+                    mod(mods.mask, mask_avals), mod(keep, table_avals)))
     dq, dk, dv = kernel.backward(p, res.lists, res.q, res.k, res.v, d_out, lse2, delta,
                                  [_kernel_operand(c) for c in res.score_captures],
-                                 [_kernel_operand(c) for c in res.mask_captures], *fns)
+                                 [_kernel_operand(c) for c in mask_caps],
+                                 [_kernel_operand(t) for t in tables], *fns)
     return dq, dk, dv, pallas_triton.captured_gradients(p, res, d_out, d_lse)

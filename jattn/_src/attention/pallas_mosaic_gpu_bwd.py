@@ -23,10 +23,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jattn._src.attention import dropout
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS
 from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, CONSUMER_REGISTERS,
@@ -61,12 +63,13 @@ def reduces_dq(p: Problem) -> bool:
     return not p.deterministic and p.E in REDUCE_ADD_HEAD_DIMS
 
 
-def _split(refs, n_lists: int, n_captures: tuple[int, int], n_out: int):
+def _split(refs, n_lists: int, n_captures: tuple[int, int, int], n_out: int):
+    """(lists, order, (score_mod's, mask_mod's, dropout's captured arrays), outputs)."""
     lists = refs[:n_lists]
     order = refs[n_lists]
-    score = refs[n_lists + 1:n_lists + 1 + n_captures[0]]
-    mask = refs[n_lists + 1 + n_captures[0]:n_lists + 1 + sum(n_captures)]
-    return lists, order, score, mask, refs[len(refs) - n_out:]
+    starts = n_lists + 1 + np.cumsum([0, *n_captures])
+    captures = tuple(refs[a:b] for a, b in zip(starts[:-1], starts[1:]))
+    return lists, order, captures, refs[len(refs) - n_out:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +77,8 @@ class _Tile:
     """One consumer's register tile of scores, either orientation (`query_axis`: the axis
     along which its queries run), starting at the positions `starts` (q0, kv0)."""
     p: Problem
-    fns: tuple  # (score_fn, score_vjp, mask_fn), each None where the call has none
-    refs: tuple  # (score_refs, mask_refs)
+    fns: tuple  # (score_fn, score_vjp, mask_fn, keep_fn), each None where the call has none
+    refs: tuple  # (score_refs, mask_refs, dropout_refs)
     b: Any
     h: Any
     starts: tuple
@@ -87,7 +90,7 @@ class _Tile:
 
     def probabilities(self, s, lse2):
         """(P, the scaled score before score_mod, the mask or None) of unscaled scores s."""
-        p, (score_fn, _, mask_fn), (score_refs, mask_refs) = self.p, self.fns, self.refs
+        p, (score_fn, _, mask_fn, _), (score_refs, mask_refs, _) = self.p, self.fns, self.refs
         raw = s * p.scale
         if score_fn is None:
             # A positive scale folds into the exponent's factor: one multiply per score fewer.
@@ -99,6 +102,17 @@ class _Tile:
             keep = mask_fn(mask_refs, self.b, self.h, *self.starts)
             t = jnp.where(keep, t, -jnp.inf)
         return jnp.exp2(t * factor - self._along_queries(lse2, s.shape)), raw, keep
+
+    def dropout_keep(self):
+        """Dropout's mask of the tile (None without dropout)."""
+        keep_fn = self.fns[3]
+        return None if keep_fn is None else keep_fn(self.refs[2], self.b, self.h, *self.starts)
+
+    def dropped(self, keep, x):
+        """x (P or dP) through dropout: kept entries scaled by 1 / (1 - rate), the rest 0."""
+        if keep is None:
+            return x
+        return jnp.where(keep, x * dropout.weights_scale(self.p), 0.0)
 
     def score_gradient(self, prob, raw, keep, dp, delta):
         """dS' = the gradient with respect to the scaled score before score_mod."""
@@ -117,7 +131,7 @@ class _Tile:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
                has_full: bool, n_captures, fns, dtype):
-    list_refs, order_ref, score_refs, mask_refs, (dq_ref,) = _split(
+    list_refs, order_ref, capture_refs, (dq_ref,) = _split(
         refs, 4 if has_full else 2, n_captures, 1)
     block_q, bkv = BLOCK
     stages = DQ_STAGES[p.E]
@@ -146,7 +160,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
                 def visit(step, apply_mask):
                     slot = slot_of(step)
                     kv0 = lists.block(owner, partial, step) * bkv
-                    tile = _Tile(p, fns, (score_refs, mask_refs), b, h, (q0, kv0), apply_mask,
+                    tile = _Tile(p, fns, capture_refs, b, h, (q0, kv0), apply_mask,
                                  query_axis=0)
 
                     def products(s_acc, dp_acc):
@@ -159,6 +173,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
                             plgpu.wgmma_accumulator_load(s_acc, wait_n=1), lse2)
                         dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
                         plgpu.barrier_arrive(v_free.at[slot])
+                        dp = tile.dropped(tile.dropout_keep(), dp)
                         return tile.score_gradient(prob, raw, keep, dp, delta)
 
                     shape = plgpu.ACC((ROWS, bkv), jnp.float32)
@@ -206,7 +221,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                  has_full: bool, n_captures, fns, dtype, reduce_dq: bool):
     # With reduce_dq, the inputs end with dq_accum [B, Hq, L, E] float32, which each step's
     # dQ part is added into by a TMA reduce-add (REDUCE_ADD_HEAD_DIMS says which part).
-    list_refs, order_ref, score_refs, mask_refs, outs = _split(
+    list_refs, order_ref, capture_refs, outs = _split(
         refs, 4 if has_full else 2, n_captures, 3 if reduce_dq else 2)
     dq_accum_ref, dk_ref, dv_ref = outs if reduce_dq else (None, *outs)
     stages = DKDV_STAGES
@@ -250,7 +265,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                     def visit(step, apply_mask):
                         slot = slot_of(done + step)
                         q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-                        tile = _Tile(p, fns, (score_refs, mask_refs), b, h,
+                        tile = _Tile(p, fns, capture_refs, b, h,
                                      (query_start(owner, partial, step), kv0), apply_mask,
                                      query_axis=1)
 
@@ -264,9 +279,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                                 plgpu.wgmma_accumulator_load(s_acc, wait_n=0),
                                 load_vector(lse_smem.at[slot], COLUMN))
                             plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
-                            plgpu.wgmma(dv_acc, prob.astype(dtype), do_tile)
+                            kept = tile.dropout_keep()
+                            plgpu.wgmma(dv_acc, tile.dropped(kept, prob).astype(dtype), do_tile)
                             # dSᵀ while dV is computed.
-                            dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+                            dp = tile.dropped(kept,
+                                              plgpu.wgmma_accumulator_load(dp_acc, wait_n=1))
                             return tile.score_gradient(prob, raw, keep, dp, load_vector(
                                 delta_smem.at[slot], COLUMN))
 
@@ -381,14 +398,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
 # ------------------------------------------------------------------------------------------------
 
 def backward(p: Problem, masks: MaskLists, q, k, v, d_out, lse2, delta, score_captures=(),
-             mask_captures=(), fns_dq=(None, None, None), fns_dkdv=(None, None, None)):
+             mask_captures=(), dropout_tables=(), fns_dq=(None,) * 4, fns_dkdv=(None,) * 4):
     """(dq, dk, dv) in q's, k's and v's dtypes. masks: the BlockMask's lists; lse2, delta
-    [B, Hq, L] float32 from the delta pass; fns_*: (score_fn, score_vjp, mask_fn) as each
-    kernel calls them (the captures' refs, the tile's leading arguments, its first query and
-    key positions, and for score_vjp the cotangent), each None where the call has none."""
-    captures = (*score_captures, *mask_captures)
-    common = dict(p=p, has_full=masks.has_full,
-                  n_captures=(len(score_captures), len(mask_captures)), dtype=q.dtype)
+    [B, Hq, L] float32 from the delta pass; dropout_tables: `dropout.word_tables` with dropout,
+    else (); fns_*: (score_fn, score_vjp, mask_fn, keep_fn) as each kernel calls them (the
+    captures' refs, the tile's leading arguments, its first query and key positions, and for
+    score_vjp the cotangent), each None where the call has none."""
+    captures = (*score_captures, *mask_captures, *dropout_tables)
+    common = dict(p=p, has_full=masks.has_full, dtype=q.dtype,
+                  n_captures=(len(score_captures), len(mask_captures), len(dropout_tables)))
 
     def launch(body, name, out_type, grid, grid_names):
         return pl.kernel(body, out_type=out_type, name=name,

@@ -42,7 +42,7 @@ MAX_TILES_PER_PROGRAM_DENSE = 16
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, score_fn,
-            mask_fn, dtype, group: int):
+            mask_fn, keep_fn, dtype, group: int):
     n_lists = 4 if has_full else 2
     # Without a score_mod a positive scale folds into the exponent's factor: one multiply
     # per score fewer.
@@ -50,9 +50,10 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     factor = p.scale * LOG2_E if fold_scale else LOG2_E
     list_refs, (order_ref, dealt_ref), (out_ref, lse_ref) = (
         refs[:n_lists], refs[n_lists:n_lists + 2], refs[-2:])
-    n_score = n_captures[0]
+    n_score, n_mask, _ = n_captures
     score_refs = refs[n_lists + 2:n_lists + 2 + n_score]
-    mask_refs = refs[n_lists + 2 + n_score:-2]
+    mask_refs = refs[n_lists + 2 + n_score:n_lists + 2 + n_score + n_mask]
+    dropout_refs = refs[n_lists + 2 + n_score + n_mask:-2]
     block_q, bkv = BLOCK
     stages = STAGES[p.E]
     rows = p.L // block_q
@@ -134,12 +135,13 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                     plgpu.barrier_arrive(k_free.at[slot])
                     if not fold_scale:
                         s = s * p.scale
-                    if score_fn is not None or (apply_mask and mask_fn is not None):
+                    masked = apply_mask and mask_fn is not None
+                    if score_fn is not None or masked or keep_fn is not None:
                         kv0 = lists.block(owner, partial, step) * bkv
-                        if score_fn is not None:
-                            s = score_fn(score_refs, s, b, h, q0, kv0)
-                        if apply_mask and mask_fn is not None:
-                            s = jnp.where(mask_fn(mask_refs, b, h, q0, kv0), s, -jnp.inf)
+                    if score_fn is not None:
+                        s = score_fn(score_refs, s, b, h, q0, kv0)
+                    if masked:
+                        s = jnp.where(mask_fn(mask_refs, b, h, q0, kv0), s, -jnp.inf)
                     # Online softmax in base 2; m starts at the finite MASK_VALUE, so a row with
                     # no key kept yet gets exp2(-inf) = 0 and a scale of 1, never NaN.
                     m_new = jnp.maximum(m_i, s.max(axis=1) * factor)
@@ -147,6 +149,8 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                     prob = jnp.exp2(s * factor - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + prob.sum(axis=1)
+                    if keep_fn is not None:  # dropped weights leave the product, not l
+                        prob = jnp.where(keep_fn(dropout_refs, b, h, q0, kv0), prob, 0.0)
                     p_lo = prob.astype(dtype)
                     acc, l_i, m_new, p_lo = lax.optimization_barrier((acc, l_i, m_new, p_lo))
                     plgpu.barrier_arrive(schedule)
@@ -175,7 +179,9 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                 # Rows that attend to nothing give 0 and LSE -inf.
                 empty = l_i == 0.0
                 l_safe = jnp.where(empty, 1.0, l_i)
-                acc /= lax.broadcast_in_dim(l_safe, acc.shape, [0])
+                # Kept weights are scaled by 1 / (1 - rate); the LSE stays the softmax's.
+                norm = l_safe * (1.0 - p.dropout) if keep_fn is not None else l_safe
+                acc /= lax.broadcast_in_dim(norm, acc.shape, [0])
                 q_smem[...] = acc.astype(dtype)
                 lse_smem[...] = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) / LOG2_E)
                 plgpu.commit_smem()
@@ -229,16 +235,17 @@ def _tiles_per_program(tiles: int, most: int) -> int:
 
 
 def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_captures=(),
-            score_fn=None, mask_fn=None):
+            dropout_tables=(), score_fn=None, mask_fn=None, keep_fn=None):
     """(out [B, Hq, L, E] of q's dtype, lse [B, Hq, L] float32 natural log).
 
     lists: the BlockMask's kv-major [counts, indices] (then the full ones when has_full),
     int32. score_fn(refs, score, b, h, q0, kv0) and mask_fn(refs, b, h, q0, kv0) take the refs
     of `score_captures` / `mask_captures` (arrays in global memory), the float32 [64, block_kv]
     tile in the wgmma register layout, and int32 scalars: b, h and the positions of the tile's
-    first row and column.
+    first row and column. With dropout, keep_fn(refs, b, h, q0, kv0) reads `dropout_tables`
+    (`dropout.word_tables`) as mask_fn reads its captures.
     """
-    n_captures = (len(score_captures), len(mask_captures))
+    n_captures = (len(score_captures), len(mask_captures), len(dropout_tables))
     tiles = p.B * (p.L // BLOCK[0]) * p.Hq
     group = _tiles_per_program(
         tiles, MAX_TILES_PER_PROGRAM_DENSE if p.dense else MAX_TILES_PER_PROGRAM)
@@ -256,9 +263,10 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     dealt = (jnp.zeros((1,), jnp.int32) if p.dense else
              deals(lists, has_full, order, tiles=tiles, group=group, sms=hardware.num_sms()))
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
-                               score_fn=score_fn, mask_fn=mask_fn, dtype=q.dtype, group=group)
+                               score_fn=score_fn, mask_fn=mask_fn, keep_fn=keep_fn,
+                               dtype=q.dtype, group=group)
     operands, axes = kernel_operands(q, k, v, *lists, order, dealt, *score_captures,
-                                     *mask_captures)
+                                     *mask_captures, *dropout_tables)
     out, lse = plgpu.kernel(
         kernel,
         out_type=[out_struct((p.B, p.Hq, p.L, p.E), q.dtype, operands[0]),
