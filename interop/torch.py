@@ -370,23 +370,21 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     mask_mod = _block_mask_mod(block_mask)
     largest = None
     compiling = torch.compiler.is_compiling()
-    if dropout_p:
+    if dropout_p or compiling or want_max:
+        # the registered ops (the largest scores: eager too), or dropout's eager path
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
             mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-        mods, captures = _ops.capture_mods(score_mod, mask_mod)
-        out, lse = _ops.flex_attention_dropout(
-            query, key, value, mask_tensors, captures,
-            (mods, tuple(block_size), (L, S), scale, enable_gqa, implementation, config),
-            dropout_p)
-    elif compiling or want_max:  # the registered ops (the largest scores: eager too)
-        mask_tensors, block_size = [], [128, 128]
-        if block_mask is not None:
-            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
-        mods, captures = (_ops.traced_mods if compiling else _ops.capture_mods)(score_mod,
-                                                                                mask_mod)
+        traced = compiling and not dropout_p
+        mods, captures = (_ops.traced_mods if traced else _ops.capture_mods)(score_mod,
+                                                                             mask_mod)
         static = (mods, block_size, [L, S], scale, enable_gqa, implementation, config)
-        if want_max:
+        if dropout_p:  # (hashable static: the dropout programs are cached by it)
+            out, lse = _ops.flex_attention_dropout(
+                query, key, value, mask_tensors, captures,
+                (mods, tuple(block_size), (L, S), scale, enable_gqa, implementation, config),
+                dropout_p)
+        elif want_max:
             out, lse, largest = _ops.flex_attention_max_scores(
                 query, key, value, mask_tensors, list(captures), *static)
         else:

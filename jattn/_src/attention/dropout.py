@@ -140,6 +140,14 @@ def _column_word(head, kv_idx):
                 + lax.convert_element_type(kv_idx, jnp.int32) * jnp.int32(_GOLDEN))
 
 
-def weights_scale(p) -> float:
+def _weights_scale(p) -> float:
     """1 / (1 - rate): what kept weights are multiplied by."""
     return 1.0 / (1.0 - p.dropout)
+
+
+def dropped(p, keep, x):
+    """x (the weights P, or dP) through the dropout mask `keep`: kept entries scaled by
+    1 / (1 - rate), the others 0; x itself where keep is None (no dropout)."""
+    if keep is None:
+        return x
+    return jnp.where(keep, x * _weights_scale(p), 0.0)

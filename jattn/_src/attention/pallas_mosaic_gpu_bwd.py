@@ -108,12 +108,6 @@ class _Tile:
         keep_fn = self.fns[3]
         return None if keep_fn is None else keep_fn(self.refs[2], self.b, self.h, *self.starts)
 
-    def dropped(self, keep, x):
-        """x (P or dP) through dropout: kept entries scaled by 1 / (1 - rate), the rest 0."""
-        if keep is None:
-            return x
-        return jnp.where(keep, x * dropout.weights_scale(self.p), 0.0)
-
     def score_gradient(self, prob, raw, keep, dp, delta):
         """dS' = the gradient with respect to the scaled score before score_mod."""
         ds = prob * (dp - self._along_queries(delta, dp.shape))
@@ -173,7 +167,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
                             plgpu.wgmma_accumulator_load(s_acc, wait_n=1), lse2)
                         dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
                         plgpu.barrier_arrive(v_free.at[slot])
-                        dp = tile.dropped(tile.dropout_keep(), dp)
+                        dp = dropout.dropped(p, tile.dropout_keep(), dp)
                         return tile.score_gradient(prob, raw, keep, dp, delta)
 
                     shape = plgpu.ACC((ROWS, bkv), jnp.float32)
@@ -280,10 +274,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                                 load_vector(lse_smem.at[slot], COLUMN))
                             plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
                             kept = tile.dropout_keep()
-                            plgpu.wgmma(dv_acc, tile.dropped(kept, prob).astype(dtype), do_tile)
+                            plgpu.wgmma(dv_acc, dropout.dropped(p, kept, prob).astype(dtype),
+                                        do_tile)
                             # dSᵀ while dV is computed.
-                            dp = tile.dropped(kept,
-                                              plgpu.wgmma_accumulator_load(dp_acc, wait_n=1))
+                            dp = dropout.dropped(p, kept,
+                                                 plgpu.wgmma_accumulator_load(dp_acc, wait_n=1))
                             return tile.score_gradient(prob, raw, keep, dp, load_vector(
                                 delta_smem.at[slot], COLUMN))
 

@@ -31,15 +31,6 @@ from jattn._src.pallas_triton.captured_loads import call_in_kernel
 from jattn._src.pallas_triton.compile import compiler_params
 
 
-def _split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
-    ins = refs[:n_in]
-    lists = refs[n_in:n_in + n_lists]
-    score_refs = refs[n_in + n_lists:n_in + n_lists + n_score]
-    mask_refs = refs[n_in + n_lists + n_score:n_in + n_lists + n_score + n_mask]
-    outs = refs[n_in + n_lists + n_score + n_mask:]
-    return ins, lists, score_refs, mask_refs, outs
-
-
 def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, lse2, delta,
         dp, kept):
     """(the weights, dS' = gradient w.r.t. the raw scaled score) of one tile, either
@@ -51,11 +42,9 @@ def _ds(p: Problem, mods: Mods, score_refs, raw, s, keep, b, h, q_idx, kv_idx, l
     prob = tiles.exp2(p, s * factor - lse2)
     if keep is not None:
         prob = jnp.where(keep, prob, 0.0)
-    weights = prob
-    if kept is not None:  # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
-        keep_d, scale = kept(b, h, q_idx, kv_idx), dropout.weights_scale(p)
-        weights = jnp.where(keep_d, prob * scale, 0.0)
-        dp = jnp.where(keep_d, dp * scale, 0.0)
+    # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
+    keep_d = None if kept is None else kept(b, h, q_idx, kv_idx)
+    weights, dp = dropout.dropped(p, keep_d, prob), dropout.dropped(p, keep_d, dp)
     ds = prob * (dp - delta)
     if mods.score_vjp is not None:
         ds = call_in_kernel(mods.score_vjp, score_refs, raw, b, h, q_idx, kv_idx, ds)[0]
@@ -80,7 +69,7 @@ def _delta_kernel(*refs, p: Problem, rows: int):
     for ref in d_lse_ref:
         delta = delta - tiles.load_vector(ref, here, q0, rows, p.L)
     tiles.store_vector(delta_ref, here, delta, q0, p.L)
-    tiles.store_vector(lse2_ref, here, jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E), q0, p.L)
+    tiles.store_vector(lse2_ref, here, tiles.base2_lse(lse), q0, p.L)
 
 
 def delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
@@ -110,7 +99,7 @@ def delta_and_lse2(p: Problem, out, lse, d_out, d_lse, params):
 
 def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, (dq_ref,) = (
-        _split_refs(refs, n_lists, n_score, n_mask, 6))
+        tiles.split_refs(refs, n_lists, n_score, n_mask, 6))
     mask_refs, seed_ref = dropout.split(p, mask_refs)
     kept = tiles.dropout_mask(p, seed_ref)
     bq, bk = p.config.bwd_block_q, p.config.bwd_block_k
@@ -145,7 +134,7 @@ def _dq_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
 
 def _dkdv_kernel(*refs, p: Problem, n_lists: int, n_score: int, n_mask: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), lists, score_refs, mask_refs, outs = (
-        _split_refs(refs, n_lists, n_score, n_mask, 6))
+        tiles.split_refs(refs, n_lists, n_score, n_mask, 6))
     mask_refs, seed_ref = dropout.split(p, mask_refs)
     kept = tiles.dropout_mask(p, seed_ref)
     dk_ref, dv_ref = outs

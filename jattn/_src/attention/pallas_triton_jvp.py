@@ -34,15 +34,12 @@ from jattn._src.pallas_triton.compile import compiler_params
 
 def _kernel(*refs, p: Problem, moving: tuple[bool, bool, bool], n_lists: int, n_score: int,
             n_mask: int):
-    n_in = 5 + sum(moving)
-    ins = list(refs[:n_in])
+    ins, lists, score_refs, mask_refs, (d_out_ref, d_lse_ref) = tiles.split_refs(
+        refs, n_lists, n_score, n_mask, 5 + sum(moving))
+    ins = list(ins)
     q_ref, k_ref, v_ref = ins[:3]
     dq_ref, dk_ref, dv_ref = (ins.pop(3) if m else None for m in moving)
-    out_ref, lse2_ref = ins[3:]
-    lists = refs[n_in:n_in + n_lists]
-    score_refs = refs[n_in + n_lists:n_in + n_lists + n_score]
-    mask_refs = refs[n_in + n_lists + n_score:n_in + n_lists + n_score + n_mask]
-    d_out_ref, d_lse_ref = refs[n_in + n_lists + n_score + n_mask:]
+    out_ref, lse_ref = ins[3:]
     mask_refs, seed_ref = dropout.split(p, mask_refs)
     kept = tiles.dropout_mask(p, seed_ref)
     mods = p.bwd
@@ -52,7 +49,7 @@ def _kernel(*refs, p: Problem, moving: tuple[bool, bool, bool], n_lists: int, n_
     here = (slice(None),)
     q_tile = tiles.load_tile(q_ref, here, q0, bq, p.L, p.E)
     dq_tile = None if dq_ref is None else tiles.load_tile(dq_ref, here, q0, bq, p.L, p.E)
-    lse2 = tiles.load_vector(lse2_ref, here, q0, bq, p.L)
+    lse2 = tiles.base2_lse(tiles.load_vector(lse_ref, here, q0, bq, p.L))
     deferred = tiles.deferred_scale(p, mods)
     factor = deferred * LOG2_E
 
@@ -78,9 +75,7 @@ def _kernel(*refs, p: Problem, moving: tuple[bool, bool, bool], n_lists: int, n_
         if dk_ref is not None:
             dk_tile = tiles.load_tile(dk_ref, keys, kv0, bk, p.S, p.E, mask_bk)
             ds = product(q_tile, dk_tile) if ds is None else ds + product(q_tile, dk_tile)
-        weights = prob
-        if kept is not None:
-            weights = jnp.where(kept(b, h, q_idx, kv_idx), prob * dropout.weights_scale(p), 0.0)
+        weights = dropout.dropped(p, None if kept is None else kept(b, h, q_idx, kv_idx), prob)
         if ds is not None:
             ds = ds * p.scale
             if mods.score_vjp is not None:
@@ -116,7 +111,6 @@ def tangents(p: Problem, q, k, v, dq, dk, dv, masks: MaskLists, score_caps, mask
         q, k, v, dq, dk, dv, masks, score_caps, mask_caps, out, lse)
     e_pad, ev_pad = tiles.padded(p.E), tiles.padded(p.Ev)
     kv_span = tiles.cdiv(p.S, p.mask_block[1]) * p.mask_block[1]
-    lse2 = jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E)
     kv_lists = masks.major("kv")
     caps = (*score_caps, *mask_caps)
 
@@ -144,5 +138,5 @@ def tangents(p: Problem, q, k, v, dq, dk, dv, masks: MaskLists, score_caps, mask
         compiler_params=compiler_params(cfg.bwd_num_warps, cfg.bwd_num_stages,
                                         compiler=cfg.bwd_compiler),
         interpret=p.interpret, name="jattn_flex_jvp",
-    )(q, k, v, *(t for t, _ in tangent_inputs), out, lse2, *kv_lists, *caps)
+    )(q, k, v, *(t for t, _ in tangent_inputs), out, lse, *kv_lists, *caps)
     return d_out, d_lse

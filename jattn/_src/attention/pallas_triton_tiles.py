@@ -12,6 +12,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jattn._src.attention import dropout
 from jattn._src.attention.common import Mods, Problem
+from jattn._src.constants import LOG2_E
 from jattn._src.pallas_triton.captured_loads import call_in_kernel
 from jattn._src.pallas_triton.masked import both, bounds, load, store
 from jattn._src.tiling import cdiv, dot_tile
@@ -40,6 +41,23 @@ def walk(lists, owner: tuple, tile: int, block: int, visit, carry):
                                                                         c, partial),
             carry)
     return carry
+
+
+def split_refs(refs, n_lists: int, n_score: int, n_mask: int, n_in: int):
+    """A backward-side kernel's refs: (its n_in inputs, the BlockMask lists, score_mod's and
+    the mask_mod's captured arrays, its outputs)."""
+    ins = refs[:n_in]
+    lists = refs[n_in:n_in + n_lists]
+    score_refs = refs[n_in + n_lists:n_in + n_lists + n_score]
+    mask_refs = refs[n_in + n_lists + n_score:n_in + n_lists + n_score + n_mask]
+    outs = refs[n_in + n_lists + n_score + n_mask:]
+    return ins, lists, score_refs, mask_refs, outs
+
+
+def base2_lse(lse):
+    """The natural-log LSE in base 2, as the kernels that recompute P = exp2(S·c − lse₂) read
+    it: 0 for rows that attend to nothing (their P is 0 by the mask, and no inf reaches it)."""
+    return jnp.where(lse == -jnp.inf, 0.0, lse * LOG2_E)
 
 
 def exp2(p: Problem, x):

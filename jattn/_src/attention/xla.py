@@ -209,11 +209,8 @@ def gradients(p: Problem, q, k, v, lists: MaskLists, score_captures, mask_captur
         read = prob > 0  # where a key has no weight its gradients are 0, whatever K and V hold
         dp = jnp.einsum("bhgle,bhke->bhglk", dog, v_block, preferred_element_type=acc)
         kept = _kept(p, seed, j)
-        weights = prob
-        if kept is not None:  # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
-            scale = dropout.weights_scale(p)
-            weights = jnp.where(kept, prob * scale, 0.0)
-            dp = jnp.where(kept, dp * scale, 0.0)
+        # dP' = dO·Vᵀ reaches P through keep / (1 - rate)
+        weights, dp = dropout.dropped(p, kept, prob), dropout.dropped(p, kept, dp)
         ds = jnp.where(read, prob * (dp - delta[..., None]), 0.0)
         if p.xla.score is not None:
             b, h, q_idx, kv = _indices(p, j)
