@@ -1,4 +1,5 @@
-"""GEMM throughput on the GPU: jattn.matmul against jnp.dot (XLA) and torch.mm, same run.
+"""GEMM throughput on the GPU: jattn.matmul on each kernel backend that runs the shape
+(pallas_triton, pallas_mosaic_gpu) against jnp.dot (XLA) and torch.mm, same run.
 
     python -m benchmarks.bench_matmul [--tune] [--json results.json]
 
@@ -41,6 +42,9 @@ def _torch_sets(jax_sets):
     return [[torch.from_dlpack(x) for x in args] for args in jax_sets]
 
 
+KERNELS = ("pallas_triton", "pallas_mosaic_gpu")
+
+
 def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool) -> dict:
     import torch
 
@@ -50,29 +54,37 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool)
             for shape in ((m, k), (k, n), (n,))]
     # Distinct copies (scaled) so that no two calls see the same inputs.
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
-    config = choose_config("matmul", backends.resolve("matmul", "pallas_triton"),
-                           "autotune" if tune else None, m, n, k, jnp.bfloat16)
+    facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue)
+    default = backends.resolve("matmul", **facts).name
+    kernels = [name for name in KERNELS if backends.implementations("matmul")[name].unsupported(
+        **facts) is None]
+    configs = {name: choose_config("matmul", backends.resolve("matmul", name),
+                                   "autotune" if tune else None, m, n, k, jnp.bfloat16)
+               for name in kernels}
     if epilogue:
-        ours = jax.jit(lambda a, b, bias: jattn.matmul(a, b, bias=bias, epilogue=_gelu,
-                                                       config=config))
+        ours = {name: jax.jit(lambda a, b, bias, c=configs[name], i=name: jattn.matmul(
+            a, b, bias=bias, epilogue=_gelu, config=c, implementation=i)) for name in kernels}
         xla = jax.jit(_xla_fused)
         torch_fn = lambda a, b, bias: torch.nn.functional.gelu(torch.addmm(bias, a, b),
                                                                approximate="tanh")
     else:
         sets = [s[:2] for s in sets]
-        ours = jax.jit(functools.partial(jattn.matmul, config=config))
+        ours = {name: jax.jit(functools.partial(jattn.matmul, config=configs[name],
+                                                implementation=name)) for name in kernels}
         xla = jax.jit(jnp.dot)
         torch_fn = torch.mm
-    compile_s = first_call_seconds(ours, *sets[0])
-    err = float(jnp.abs(ours(*sets[0]).astype(jnp.float32)
-                        - xla(*sets[0]).astype(jnp.float32)).max())
-    seconds = {"jattn": time_jax(ours, sets), "xla": time_jax(xla, sets),
-               "torch": time_torch(torch_fn, _torch_sets(sets))}
+    compile_s = {name: first_call_seconds(fn, *sets[0]) for name, fn in ours.items()}
+    expected = xla(*sets[0]).astype(jnp.float32)
+    err = {name: float(jnp.abs(fn(*sets[0]).astype(jnp.float32) - expected).max())
+           for name, fn in ours.items()}
+    seconds = {name: time_jax(fn, sets) for name, fn in ours.items()}
+    seconds |= {"xla": time_jax(xla, sets), "torch": time_torch(torch_fn, _torch_sets(sets))}
     tflops = {key: 2 * m * n * k / t / 1e12 for key, t in seconds.items()}
-    return {"case": name, "m": m, "n": n, "k": k, "config": config.__dict__,
-            "first_call_s": compile_s, "max_abs_diff_vs_xla": err,
-            "tflops": tflops, "vs_xla": tflops["jattn"] / tflops["xla"],
-            "vs_torch": tflops["jattn"] / tflops["torch"]}
+    return {"case": name, "m": m, "n": n, "k": k, "default": default,
+            "configs": {name: c.__dict__ for name, c in configs.items()},
+            "first_call_s": compile_s, "max_abs_diff_vs_xla": err, "tflops": tflops,
+            "vs_xla": {name: tflops[name] / tflops["xla"] for name in kernels},
+            "vs_torch": {name: tflops[name] / tflops["torch"] for name in kernels}}
 
 
 def main():
@@ -91,10 +103,11 @@ def main():
             continue
         rows.append(bench_case(name, m, n, k, epilogue=epilogue, tune=args.tune))
         r = rows[-1]
-        print(f"{r['case']:>20}: jattn {r['tflops']['jattn']:6.1f}  xla {r['tflops']['xla']:6.1f}"
-              f"  torch {r['tflops']['torch']:6.1f} TFLOP/s   vs xla {r['vs_xla']:.3f}"
-              f"  vs torch {r['vs_torch']:.3f}   first call {r['first_call_s']:.2f}s"
-              f"  {r['config']}", flush=True)
+        ours = "  ".join(f"{name} {r['tflops'][name]:6.1f} (x{r['vs_xla'][name]:.3f} xla, "
+                         f"x{r['vs_torch'][name]:.3f} torch, first call "
+                         f"{r['first_call_s'][name]:.2f}s)" for name in r["vs_xla"])
+        print(f"{r['case']:>20}: {ours}  xla {r['tflops']['xla']:6.1f}  torch "
+              f"{r['tflops']['torch']:6.1f} TFLOP/s; default {r['default']}", flush=True)
         record.write(args.json, rows)
 
 

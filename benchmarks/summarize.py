@@ -66,11 +66,17 @@ def decode_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _matmul_entries(rows: list[dict]) -> list[tuple[str, str, dict]]:
+    """(problem, kernel, row) for each kernel that ran each problem."""
+    return [(row["case"], name, row) for row in rows for name in row["vs_xla"]]
+
+
 def matmul_table(rows: list[dict]) -> str:
-    lines = ["| problem | jattn TFLOP/s | × XLA | × torch |", "|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['case']} | {row['tflops']['jattn']:.0f} | "
-                     f"{_ratio(row['vs_xla'])} | {_ratio(row['vs_torch'])} |")
+    lines = ["| problem | kernel | TFLOP/s | × XLA | × torch |", "|---|---|---|---|---|"]
+    for case, name, row in _matmul_entries(rows):
+        kernel = f"{name} (default)" if row.get("default") == name else name
+        lines.append(f"| {case} | {kernel} | {row['tflops'][name]:.0f} | "
+                     f"{_ratio(row['vs_xla'][name])} | {_ratio(row['vs_torch'][name])} |")
     return "\n".join(lines)
 
 
@@ -118,10 +124,11 @@ def decode_plot(data: dict, figure) -> None:
 
 
 def matmul_plot(data: dict, figure) -> None:
-    rows = data["rows"]
+    entries = _matmul_entries(data["rows"])
     axis = figure.subplots()
-    _bars(axis, [row["case"] for row in rows],
-          {"× XLA": [row["vs_xla"] for row in rows], "× torch": [row["vs_torch"] for row in rows]},
+    _bars(axis, [f"{case} {name}" for case, name, _ in entries],
+          {"× XLA": [row["vs_xla"][name] for _, name, row in entries],
+           "× torch": [row["vs_torch"][name] for _, name, row in entries]},
           "jattn.matmul speed ratio")
     axis.axhline(1.0, color="black", linewidth=0.8)
     figure.suptitle(_title(data["environment"], "GEMM (bf16), higher is better"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -52,7 +53,8 @@ class GemmOp:
     JAX dtype. grads: the tensors autograd gets gradients for (from `jax.vjp` of `fn`).
     no_gradient: for a forward-only op, the error its backward raises (when backward runs, also
     in compiled code: the backward op's fake lets torch.compile trace a forward whose inputs
-    require grad).
+    require grad). facts(*tensors): what the op's implementations judge support by, as jattn's
+    own call passes them (the implementation is chosen here, then named to `fn`).
     """
 
     name: str
@@ -62,6 +64,7 @@ class GemmOp:
     options: tuple[str, ...] = ()
     grads: tuple[str, ...] = ()
     no_gradient: Optional[str] = None
+    facts: Callable[..., dict] = lambda *tensors: {}
 
     def __post_init__(self):
         if self.grads != tuple(name for name in self.tensor_names if name in self.grads):
@@ -127,7 +130,8 @@ def register(spec: GemmOp):
         if dtype_options:
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
         precision = float32_precision(args[0].dtype) if takes_precision else None
-        return options, implementation_for(spec.name, device, args[-1]), precision
+        facts = spec.facts(*args[:n])
+        return options, implementation_for(spec.name, device, args[-1], **facts), precision
 
     @functools.lru_cache(maxsize=64)
     def direct_program(options, implementation, precision,
@@ -214,6 +218,12 @@ def register(spec: GemmOp):
 # ------------------------------------------------------------------------------------------------
 
 
+def _product_facts(a, b, *rest) -> dict:
+    """A matmul's facts: a [..., M, K] times b [K, N]."""
+    return dict(dtype=DTYPES.get(a.dtype), m=math.prod(a.shape[:-1]), n=b.shape[-1],
+                k=a.shape[-1])
+
+
 def _matmul_fake(a, b, *rest):  # matmul and mm_plus_mm: a [..., M, K] times b [K, N]
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
@@ -245,7 +255,7 @@ _SCALED_MATMUL_NO_GRADIENT = (
 
 matmul, matmul_backward = register(GemmOp(
     "matmul", jattn.matmul, ("Tensor a", "Tensor b", *_BIAS), _matmul_fake,
-    grads=("a", "b", "bias")))
+    grads=("a", "b", "bias"), facts=_product_facts))
 bmm, bmm_backward = register(GemmOp(
     "bmm", jattn.bmm, ("Tensor a", "Tensor b", *_BIAS), _bmm_fake, grads=("a", "b", "bias")))
 mm_plus_mm, mm_plus_mm_backward = register(GemmOp(

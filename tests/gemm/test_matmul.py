@@ -102,7 +102,8 @@ def test_invalid_config_raises(kwargs, match):
 
 
 def test_config_of_wrong_type_raises():
-    with pytest.raises(TypeError, match="`config` must be a MatmulConfig, None or 'autotune'"):
+    with pytest.raises(TypeError, match="`config` must be a MatmulConfig .*, a "
+                                        "MosaicMatmulConfig .*, None or 'autotune'"):
         jattn.matmul(jnp.ones((4, 8)), jnp.ones((8, 4)), config=(64, 64, 32))
 
 

@@ -15,8 +15,10 @@ import numpy as np
 
 from jattn._src import backends, guards, hardware
 from jattn._src.backends import Implementation
-from jattn._src.gemm import pallas_triton, xla
-from jattn._src.gemm.config import MatmulConfig, heuristic_config, search_space
+from jattn._src.gemm import pallas_mosaic_gpu, pallas_triton, xla
+from jattn._src.gemm.config import (MatmulConfig, MosaicMatmulConfig, heuristic_config,
+                                    heuristic_mosaic_config, mosaic_search_space,
+                                    search_space)
 from jattn._src.precision import applied as precision_applied
 from jattn._src.precision import canonical as canonical_precision
 from jattn._src.programs import ProgramCache, jitted
@@ -26,11 +28,27 @@ from jattn._src.user_functions import TracedFunction, trace_with_captures
 
 _INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles). bmm and the
-# backward products run matmul's implementation.
+
+def _triton_unsupported(*, config=None, **facts) -> str | None:
+    if isinstance(config, MosaicMatmulConfig):
+        return ("a MosaicMatmulConfig gives pallas_mosaic_gpu's tiles; pass a MatmulConfig for "
+                "these kernels.")
+    return None
+
+
+# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles); matmul also on
+# Mosaic GPU (MosaicMatmulConfig tiles). The backward products run matmul's implementation.
 for _op in ("matmul", "bmm", "mm_plus_mm", "scaled_matmul"):
     backends.register_xla_and_kernels(_op, xla, pallas_triton, config_class=MatmulConfig,
-                                      heuristic=heuristic_config, search_space=search_space)
+                                      heuristic=heuristic_config, search_space=search_space,
+                                      unsupported=_triton_unsupported)
+backends.register(Implementation(
+    "matmul", backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
+    unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,
+    config_class=MosaicMatmulConfig, heuristic=heuristic_mosaic_config,
+    search_space=mosaic_search_space))
+
+Config = MatmulConfig | MosaicMatmulConfig
 
 Epilogue = Callable[..., jax.Array]
 
@@ -122,7 +140,7 @@ def _trace_epilogue(op: str, epilogue: Epilogue, tile: tuple[int, int], full: tu
 
 # Makes, for a candidate config, a zero-argument function that runs the op once on fixed inputs
 # of the tuned shape (what the autotuner times).
-RunMaker = Callable[[MatmulConfig], Callable[[], Any]]
+RunMaker = Callable[[Config], Callable[[], Any]]
 
 
 def _cache_key(implementation: Implementation, m: int, n: int, k: int, dtype: jnp.dtype) -> str:
@@ -139,7 +157,7 @@ def random_operand(shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
 def _matmul_runs(implementation: Implementation, m: int, n: int, k: int, dtype) -> RunMaker:
     a, b = random_operand((m, k), dtype, 0), random_operand((k, n), dtype, 1)
 
-    def make_run(config: MatmulConfig):
+    def make_run(config: Config):
         run = jax.jit(functools.partial(_product, implementation, config, dtype))
         return lambda: run(a, b)
 
@@ -147,26 +165,27 @@ def _matmul_runs(implementation: Implementation, m: int, n: int, k: int, dtype) 
 
 
 def _check_config_type(op: str, config: Any) -> None:
-    if not (config is None or isinstance(config, MatmulConfig) or config == "autotune"):
-        raise TypeError(f"{op}: `config` must be a MatmulConfig, None or 'autotune', got "
+    if not (config is None or isinstance(config, Config) or config == "autotune"):
+        raise TypeError(f"{op}: `config` must be a MatmulConfig (pallas_triton), a "
+                        f"MosaicMatmulConfig (pallas_mosaic_gpu), None or 'autotune', got "
                         f"{config!r}.")
 
 
-def choose_config(op: str, implementation: Implementation, config: MatmulConfig | str | None,
+def choose_config(op: str, implementation: Implementation, config: Config | str | None,
                   m: int, n: int, k: int, dtype: jnp.dtype, *, runs: RunMaker | None = None,
-                  split_k: bool = True) -> MatmulConfig:
+                  split_k: bool = True) -> Config:
     """The config of one `op` product on a kernel implementation: the caller's as given; else
     the op's cached tuning result; else (config="autotune") the search space timed now on
     this device with `runs` (default: matmul's) and the winner cached under (op,
     implementation, device, shape bucket, dtype); else the heuristic. split_k=False: the op's
     kernel cannot split K (a cached or heuristic config runs with split_k = 1).
     """
-    if isinstance(config, MatmulConfig):
+    if isinstance(config, implementation.config_class):
         return config
     key = _cache_key(implementation, m, n, k, dtype)
     cached = cache.lookup(op, key)
     if cached is not None:
-        chosen = MatmulConfig(**cached)
+        chosen = implementation.config_class(**cached)
     elif config == "autotune":
         candidates = implementation.search_space(m, n, k, dtype)
         if not split_k:
@@ -179,7 +198,9 @@ def choose_config(op: str, implementation: Implementation, config: MatmulConfig 
         cache.store(op, key, dataclasses.asdict(chosen))
     else:
         chosen = implementation.heuristic(m, n, k, dtype)
-    return chosen if split_k else dataclasses.replace(chosen, split_k=1)
+    if split_k or not hasattr(chosen, "split_k"):
+        return chosen
+    return dataclasses.replace(chosen, split_k=1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,14 +220,19 @@ def _product(implementation: Implementation, config: MatmulConfig | None, out_dt
 def product_for_shape(implementation: Implementation, a, b, out_dtype, **transposes):
     """A plain product (no bias, no epilogue) with matmul's config for its own shape.
 
-    The products of every GEMM backward; `transposes` are transpose_a / transpose_b.
+    The products of every GEMM backward; `transposes` are transpose_a / transpose_b. They run
+    on matmul's implementation on the call's backend, or where that cannot run this product
+    (a shape the Mosaic kernel does not tile), on matmul's default choice for it.
     """
     config = None
+    m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
+    k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
+    n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
+    facts = dict(dtype=a.dtype, m=m, n=n, k=k)
     implementation = backends.on_backend_of("matmul", implementation)
+    if implementation.unsupported(**facts) is not None:
+        implementation = backends.resolve("matmul", **facts)
     if implementation.tunable:
-        m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
-        k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
-        n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
         config = choose_config("matmul", implementation, None, m, n, k, a.dtype)
     return _product(implementation, config, out_dtype, a, b, **transposes)
 
@@ -323,7 +349,8 @@ _PLANS: ProgramCache[tuple] = ProgramCache("gemm.plans")
 def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementation, split_k,
                     runs, precision) -> tuple[Options, tuple[Any, ...]]:
     """make_options' slow path: the implementation and config chosen, the epilogue traced."""
-    implementation = backends.resolve(op, implementation, dtype=dtype)
+    implementation = backends.resolve(op, implementation, dtype=dtype, m=m, n=n, k=k,
+                                      epilogue=epilogue is not None, config=config)
     if 0 in (m, n, k):
         implementation = backends.for_empty(op)
     if not split_k and isinstance(config, MatmulConfig) and config.split_k != 1:

@@ -160,6 +160,103 @@ def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
     return list(seen)
 
 
+# A 16-bit operand row of one TMA box and wgmma swizzle span: 64 elements (128 bytes).
+MOSAIC_BLOCK_K = 64
+# A Mosaic GEMM consumer stores its output through shared memory in pieces of 64 rows of 128
+# bytes (one swizzle span), two in flight: 16 KiB for the two consumers.
+MOSAIC_STAGING_BYTES = 2 * 2 * 64 * 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMatmulConfig:
+    """Tiles and tile order of the Mosaic GPU GEMM kernel (Hopper, `pallas_mosaic_gpu`).
+
+    block_m, block_n: one program's output tile. Its two consumer warpgroups each hold half of
+      it as a float32 accumulator, split along `split` ("m": two [block_m / 2, block_n]
+      halves; "n": two [block_m, block_n / 2]); a half is [64 or 128, 64 to 256] with at most
+      128 x 128 values (the registers of one warpgroup).
+    block_k: the K step (64: one 128-byte swizzle span of 16-bit operands).
+    num_stages: K steps of A and B tiles in flight in shared memory (the producer warpgroup's
+      TMA ring).
+    minor, group: the order programs take output tiles in: `group` tiles along `minor` ("m" or
+      "n"), then the next band, snaking back (neighbouring programs share A or B in L2).
+
+    Programs are persistent (one per SM) and walk tiles in that order. Invalid values raise
+    ValueError. Frozen and hashable.
+
+    Example::
+
+        config = jattn.MosaicMatmulConfig(block_m=128, block_n=256, num_stages=4)
+        print(config.warpgroup_tile)  # (128, 128)
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = MOSAIC_BLOCK_K
+    num_stages: int = 4
+    split: str = "n"
+    minor: str = "n"
+    group: int = 8
+
+    def __post_init__(self):
+        check_positive(self, "block_m", "block_n", "num_stages", "group")
+        for name in ("split", "minor"):
+            if getattr(self, name) not in ("m", "n"):
+                raise ValueError(f"MosaicMatmulConfig.{name} must be 'm' or 'n', got "
+                                 f"{getattr(self, name)!r}.")
+        if self.block_k != MOSAIC_BLOCK_K:
+            raise ValueError(f"MosaicMatmulConfig.block_k must be {MOSAIC_BLOCK_K} (one swizzle "
+                             f"span of 16-bit operands), got {self.block_k}.")
+        rows, cols = self.warpgroup_tile
+        if rows not in (64, 128) or cols % 64 or not 64 <= cols <= 256 or rows * cols > 128 * 128:
+            raise ValueError(
+                f"MosaicMatmulConfig: block_m={self.block_m}, block_n={self.block_n} split "
+                f"along {self.split!r} gives each consumer warpgroup a [{rows}, {cols}] tile; "
+                "it must be [64 or 128, a multiple of 64 up to 256] with at most 128 x 128 "
+                "values (e.g. block_m=128, block_n=256, split='n').")
+
+    @property
+    def warpgroup_tile(self) -> tuple[int, int]:
+        """The [rows, columns] of the output tile one consumer warpgroup accumulates."""
+        if self.split == "m":
+            return self.block_m // 2, self.block_n
+        return self.block_m, self.block_n // 2
+
+    def shared_memory_bytes(self, itemsize: int) -> int:
+        """Bytes of shared memory: the ring of A and B tiles and the output staging."""
+        ring = self.num_stages * (self.block_m + self.block_n) * self.block_k * itemsize
+        return ring + MOSAIC_STAGING_BYTES
+
+
+def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype) -> MosaicMatmulConfig:
+    """The default Mosaic GEMM config: the largest tile (128 x 256, then 256 x 128, then
+    128 x 128) that divides [m, n], with as many stages as shared memory holds (at most 4)."""
+    itemsize = np.dtype(dtype).itemsize
+    for block_m, block_n, split in ((128, 256, "n"), (256, 128, "m"), (128, 128, "n")):
+        if m % block_m == 0 and n % block_n == 0:
+            break
+    config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, split=split)
+    while config.shared_memory_bytes(itemsize) > SHARED_MEMORY_BYTES:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
+
+
+def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MosaicMatmulConfig]:
+    """Candidate Mosaic GEMM configs: the tiles that divide [m, n], stages, tile orders."""
+    itemsize = np.dtype(dtype).itemsize
+    candidates = []
+    for (block_m, block_n, split), stages, minor, group in itertools.product(
+            ((128, 256, "n"), (256, 128, "m"), (128, 128, "n"), (128, 128, "m")), (3, 4, 5),
+            ("m", "n"), (4, 8, 16)):
+        if m % block_m or n % block_n:
+            continue
+        config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, num_stages=stages,
+                                    split=split, minor=minor, group=group)
+        if config.shared_memory_bytes(itemsize) <= SHARED_MEMORY_BYTES:
+            candidates.append(config)
+    return candidates
+
+
 # The widest output side a b2b program holds in registers as its fp32 accumulator: [64, 256]
 # is 128 fp32 registers a thread at 4 warps (64 at 8); wider runs as two matmuls instead.
 B2B_MAX_HELD = 256

@@ -1,0 +1,191 @@
+"""The GEMM kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation), for `matmul`.
+
+Programs are persistent, one per SM, and take output tiles in a snaking band order
+(`MosaicMatmulConfig.minor` / `group`) so that the programs running at once share A rows and B
+columns in L2. Each has three warpgroups: a producer streams the tile's A and B K-steps by TMA
+into a ring of `num_stages` shared-memory slots, and two consumers each accumulate half of the
+tile with wgmma in float32 registers. A consumer then adds the bias, rounds to the output
+dtype and stores through shared memory in pieces of 64 rows by 128 bytes by TMA, two in
+flight, while the producer already streams the next tile's K-steps.
+
+What it runs is narrower than pallas_triton's kernel (`unsupported` says what): 16-bit
+operands, M and N multiples of its tiles and K of 64, no epilogue. A product of a backward
+pass it cannot tile runs on the op's default choice for that product (`gemm.api`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jattn._src import hardware
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (COLUMN, PRODUCER_REGISTERS,
+                                                           load_vector, operand_transforms)
+from jattn._src.gemm.config import MOSAIC_BLOCK_K, MatmulConfig, MosaicMatmulConfig
+from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
+from jattn._src.user_functions import TracedFunction
+
+CONSUMERS = 2  # consumer warpgroups per program
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_SWIZZLE = 128  # bytes: a row of an output piece (config.MOSAIC_STAGING_BYTES)
+_PIECE_ROWS = 64
+
+
+def unsupported(*, dtype=None, m=None, n=None, k=None, epilogue=False, config=None,
+                **facts) -> str | None:
+    """Why the Mosaic GEMM cannot run a call (None when it can)."""
+    if not hardware.is_hopper():
+        return f"it needs a Hopper GPU (sm_90), not {hardware.device_kind()}."
+    if isinstance(config, MatmulConfig):
+        return ("a MatmulConfig gives pallas_triton's tiles; pass a MosaicMatmulConfig for "
+                "these kernels.")
+    if dtype is not None and jnp.dtype(dtype) not in DTYPES:
+        return f"it takes bfloat16 or float16 operands, not {jnp.dtype(dtype)}."
+    if epilogue:
+        return "an epilogue is fused by pallas_triton's kernel only."
+    if m is not None:
+        rows, cols = ((config.block_m, config.block_n)
+                      if isinstance(config, MosaicMatmulConfig) else (128, 128))
+        if m % rows or n % cols or k % MOSAIC_BLOCK_K:
+            return (f"it takes M a multiple of {rows}, N of {cols} and K of {MOSAIC_BLOCK_K} "
+                    f"(its tiles), not M, N, K = {m}, {n}, {k}.")
+    return None
+
+
+def slower(*, m=None, n=None, k=None, **facts) -> str | None:
+    """Why the default choice passes this kernel over for a call it supports (measured)."""
+    return None
+
+
+def _kernel(a_ref, b_ref, *refs, config: MosaicMatmulConfig, tiles: tuple[int, int],
+            k_steps: int, transpose_a: bool, transpose_b: bool, has_bias: bool):
+    bias_ref = refs[0] if has_bias else None
+    out_ref = refs[-1]
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    rows, cols = config.warpgroup_tile
+    epi_rows, epi_cols = _PIECE_ROWS, _SWIZZLE // jnp.dtype(out_ref.dtype).itemsize
+    wg = lax.axis_index("wg")
+    wg_rows = pl.ds(wg * rows, rows) if config.split == "m" else slice(None)
+    wg_cols = pl.ds(wg * cols, cols) if config.split == "n" else slice(None)
+    transforms = operand_transforms()
+    a_block, a_index = ((bk, bm), lambda s: (s, 0)) if transpose_a else ((bm, bk),
+                                                                         lambda s: (0, s))
+    b_block, b_index = ((bn, bk), lambda s: (0, s)) if transpose_b else ((bk, bn),
+                                                                         lambda s: (s, 0))
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_steps,), memory_registers=PRODUCER_REGISTERS,
+            in_specs=[plgpu.BlockSpec(a_block, a_index, transforms=transforms),
+                      plgpu.BlockSpec(b_block, b_index, transforms=transforms)],
+            wg_axis="wg", num_compute_wgs=CONSUMERS,
+            max_concurrent_steps=config.num_stages, compute_context=context)
+
+    def mma(indices, a_smem, b_smem, acc_ref):
+        a = a_smem.at[:, wg_rows].T if transpose_a else a_smem.at[wg_rows]
+        b = b_smem.at[wg_cols].T if transpose_b else b_smem.at[:, wg_cols]
+        plgpu.wgmma(acc_ref, a, b)
+        plgpu.wgmma_wait(0)  # the slot goes back to the producer when this returns
+        return acc_ref
+
+    def body(pipeline_allocations, out_smem):
+        minor = 0 if config.minor == "m" else 1
+
+        @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="programs")
+        def _tile(loop):
+            (index,) = loop.index
+            tile_m, tile_n = plgpu.planar_snake(index, tiles, minor, config.group)
+            m0, n0 = tile_m * bm, tile_n * bn
+            a_panel = (a_ref.at[:, pl.ds(m0, bm)] if transpose_a
+                       else a_ref.at[pl.ds(m0, bm), :])
+            b_panel = (b_ref.at[pl.ds(n0, bn), :] if transpose_b
+                       else b_ref.at[:, pl.ds(n0, bn)])
+            out_m0 = m0 + (wg * rows if config.split == "m" else 0)
+            out_n0 = n0 + (wg * cols if config.split == "n" else 0)
+
+            def context(run):
+                def accumulate(acc_ref):
+                    run(acc_ref)
+                    acc = acc_ref[...]
+                    if has_bias:
+                        bias = load_vector(bias_ref.at[pl.ds(out_n0, cols)], COLUMN)
+                        acc = acc + lax.broadcast_in_dim(bias, acc.shape, [1])
+                    out = acc.astype(out_ref.dtype)
+                    # The previous tile's stores have read the staging before it is rewritten.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    pieces = [(i, j) for i in range(rows // epi_rows)
+                              for j in range(cols // epi_cols)]
+                    for piece, (i, j) in enumerate(pieces):
+                        slot = out_smem.at[wg, piece % 2]
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        slot[...] = out[i * epi_rows:(i + 1) * epi_rows,
+                                        j * epi_cols:(j + 1) * epi_cols]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            slot, out_ref.at[pl.ds(out_m0 + i * epi_rows, epi_rows),
+                                             pl.ds(out_n0 + j * epi_cols, epi_cols)])
+
+                pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))
+
+            pipeline(mma, context)(a_panel, b_panel, allocations=pipeline_allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out_transforms = (plgpu.TilingTransform((8, epi_cols)), plgpu.SwizzleTransform(_SWIZZLE))
+    ignore = lambda *args, **kwargs: None  # the allocations depend on the specs alone
+    pl.run_scoped(
+        body,
+        pipeline(ignore, ignore).get_allocations(a_ref, b_ref),
+        plgpu.SMEM((CONSUMERS, 2, epi_rows, epi_cols), out_ref.dtype,
+                   transforms=out_transforms),
+        collective_axes="wg",
+    )
+
+
+def matmul(a: jax.Array, b: jax.Array, bias: jax.Array | None, *,
+           config: MosaicMatmulConfig, out_dtype, transpose_a: bool = False,
+           transpose_b: bool = False) -> jax.Array:
+    """op(a) @ op(b) (+ bias) of 16-bit operands, accumulated in float32: [M, N] of out_dtype.
+
+    a: [M, K] ([K, M] with transpose_a); b: [K, N] ([N, K] with transpose_b); bias [N] of any
+    float dtype. M and N must be multiples of config's tile and K of 64 (`unsupported`).
+    """
+    m, k = a.shape[::-1] if transpose_a else a.shape
+    n = b.shape[0] if transpose_b else b.shape[1]
+    tiles = (m // config.block_m, n // config.block_n)
+    kernel = functools.partial(_kernel, config=config, tiles=tiles,
+                               k_steps=k // config.block_k, transpose_a=transpose_a,
+                               transpose_b=transpose_b, has_bias=bias is not None)
+    bias_operand = () if bias is None else (bias.astype(jnp.float32),)
+    operands, axes = kernel_operands(a, b, *bias_operand)
+    out = plgpu.kernel(
+        kernel,
+        out_type=out_struct((m, n), out_dtype, operands[0]),
+        grid=(min(hardware.num_sms(), tiles[0] * tiles[1]),),
+        grid_names=("programs",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+    )(*operands)
+    return kernel_results(out, axes)
+
+
+# ------------------------------------------------------------------------------------------------
+# The op's entry points (gemm/protocols.py GemmBackend; matmul's products only)
+# ------------------------------------------------------------------------------------------------
+
+def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
+                   *, config: MosaicMatmulConfig, out_dtype, transpose_a: bool = False,
+                   transpose_b: bool = False, epilogue_tile: TracedFunction | None = None,
+                   epilogue_full: TracedFunction | None = None, save_preact: bool = False,
+                   interpret: bool = False):
+    """GemmBackend.matmul_product: the kernel (calls with an epilogue never resolve here)."""
+    del captures, epilogue_tile, epilogue_full, save_preact, interpret
+    return matmul(a, b, bias, config=config, out_dtype=out_dtype, transpose_a=transpose_a,
+                  transpose_b=transpose_b)
