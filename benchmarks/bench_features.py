@@ -35,13 +35,18 @@ COPIES = 3
 
 @contextlib.contextmanager
 def _xla_tangents():
-    """The kernels' tangents taken by the XLA JVP, as where a captured array moves."""
+    """The kernels' tangents taken by the XLA JVP, as where a captured array moves. The
+    caches are emptied on entry and exit: traces made on one side must not serve the other."""
     kernel = pallas_triton.tangents
     pallas_triton.tangents = xla.tangents
+    jattn.clear_caches()
+    jax.clear_caches()
     try:
         yield
     finally:
         pallas_triton.tangents = kernel
+        jattn.clear_caches()
+        jax.clear_caches()
 
 
 def _fwd_bwd(fn):

@@ -170,22 +170,24 @@ class ForwardModeBackendTests:
         block_mask = jattn.create_block_mask(window, None, None, L, S, block_size=16)
         which = ["qkv".index(name) for name in moving]
 
-        def call(attention):
-            def f(*moved):
-                args = [q, k, v]
-                for i, x in zip(which, moved):
-                    args[i] = x
-                return attention(*args, score_mod, block_mask)
-            return lambda: jax.jvp(f, tuple((q, k, v)[i] for i in which),
-                                   tuple(tangents[i] for i in which))
+        def call(attention):  # (inputs as arguments: low_precision cuts them to TF32 on GPUs)
+            def jvp(q, k, v, *moving_tangents):
+                def f(*moved):
+                    args = [q, k, v]
+                    for i, x in zip(which, moved):
+                        args[i] = x
+                    return attention(*args, score_mod, block_mask)
+                return jax.jvp(f, tuple((q, k, v)[i] for i in which), moving_tangents)
+            return jvp
 
+        inputs = (q, k, v, *(tangents[i] for i in which))
         ours = call(lambda *a: jattn.flex_attention(*a, enable_gqa=True, return_lse=True,
                                                     implementation=impl))
-        got = jax.jit(ours)()
+        got = jax.jit(ours)(*inputs)
         if impl != "xla":
-            assert "jattn_flex_jvp" in str(jax.make_jaxpr(ours)())
+            assert "jattn_flex_jvp" in str(jax.make_jaxpr(ours)(*inputs))
         reference = call(attention_reference)
-        gold, low = golden(reference), low_precision(reference)
+        gold, low = golden(reference, *inputs), low_precision(reference, *inputs)
         attended = np.arange(L) != 5  # (row 5's LSE is -inf, its tangents zero)
         for name, x, g, r in zip(["out", "lse", "out tangent", "lse tangent"],
                                  jax.tree.leaves(got), jax.tree.leaves(gold), jax.tree.leaves(low)):

@@ -97,13 +97,13 @@ def test_other_gpus_and_other_ops_default_to_pallas_triton(monkeypatch):
     monkeypatch.setattr(hardware, "is_hopper", lambda: False)
     assert backends.resolve("flex_attention", platform="gpu", **_facts()).name == "pallas_triton"
     with backends.recording() as seen:  # ops without a Mosaic implementation skip it quietly
-        assert backends.resolve("matmul", platform="gpu").name == "pallas_triton"
+        assert backends.resolve("flex_decode", platform="gpu").name == "pallas_triton"
     assert not seen[0].skipped
 
 
 def test_other_ops_say_they_have_no_mosaic_implementation():
-    with pytest.raises(ValueError, match="matmul has no pallas_mosaic_gpu implementation"):
-        backends.resolve("matmul", MOSAIC, platform="gpu")
+    with pytest.raises(ValueError, match="flex_decode has no pallas_mosaic_gpu implementation"):
+        backends.resolve("flex_decode", MOSAIC, platform="gpu")
 
 
 # Captured arrays: elements and runs along q_idx / kv_idx are read, anything else goes to
@@ -604,15 +604,15 @@ def test_dropout_lowers_to_the_mosaic_kernels(as_if_on_hopper, E, deterministic,
     assert text.count("custom_call @mosaic_gpu") == mosaic_kernels
 
 
-def test_dropout_runs_on_pallas_triton_by_default(as_if_on_hopper):
-    q = jnp.zeros((1, 2, 512, 64), jnp.bfloat16)
+def test_dropout_runs_on_the_mosaic_kernels_by_default(as_if_on_hopper):
+    """Measured faster than pallas_triton's dropout (bench_features: 1.02-1.08x, H100)."""
+    q = jnp.zeros((1, 2, 512, 128), jnp.bfloat16)
 
     def attention(q):
         return jattn.flex_attention(q, q, q, dropout_rate=0.1, dropout_key=jax.random.key(0))
 
     text = jattn.explain(attention, q)
-    assert text.startswith("flex_attention: pallas_triton"), text
-    assert "dropout has not been timed" in text, text
+    assert text.startswith("flex_attention: pallas_mosaic_gpu"), text
 
 
 @gpu

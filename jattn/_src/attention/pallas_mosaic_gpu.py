@@ -81,15 +81,12 @@ TORCH_EAGER_MIN_WORK = 10**12
 
 
 def slower(*, head_dim=None, seq_lengths=None, score_mod=None, torch_eager_work=None,
-           dropout=False, **facts) -> str | None:
+           **facts) -> str | None:
     """Why the default choice passes this forward over for a call it supports: where
     benchmarks/bench_mosaic_selection.py finds pallas_triton's forward faster (bf16: head dim
-    64 below 4096 queries without a score_mod; this forward leads everywhere else; numbers in
-    benchmarks/HISTORY.md), for an eager torch op call (`torch_eager_work`: its work) too
-    small to repay going through JAX, and for dropout until these kernels' is timed."""
-    if dropout:
-        return ("pallas_triton's kernels apply dropout at a measured cost; these kernels' "
-                "dropout has not been timed against them yet.")
+    64 below 4096 queries without a score_mod; this forward leads everywhere else, dropout
+    included (bench_features); numbers in benchmarks/HISTORY.md), and for an eager torch op
+    call (`torch_eager_work`: its work) too small to repay going through JAX."""
     if head_dim == 64 and seq_lengths is not None and seq_lengths[0] < 4096 and not score_mod:
         return ("pallas_triton's forward is faster at head dim 64 below 4096 queries without a "
                 "score_mod (measured 0.94-0.98x).")

@@ -1,0 +1,233 @@
+"""matmul on Mosaic GPU (implementation="pallas_mosaic_gpu").
+
+On the CPU: the registry's reasons for the calls the kernel cannot run, the default choice, the
+config's validation, and the kernel lowered for CUDA (forward, backward, float32 output). The
+Mosaic GPU interpreter cannot run it (no wgmma), so its numerics are checked on the GPU against
+a float64 golden: tile shapes and orders, bias, float16, float32 output, gradients.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jattn
+from jattn._src import backends, hardware
+from jattn._src.gemm.config import heuristic_mosaic_config, mosaic_search_space
+from jattn._src.gemm.reference import matmul_reference
+from tests.helpers import (assert_bitwise_equal_runs, assert_close, assert_gradients_close,
+                           golden, low_precision, lower_for_cuda, random)
+
+MOSAIC = "pallas_mosaic_gpu"
+gpu = pytest.mark.gpu
+
+
+@pytest.fixture
+def as_if_on_hopper(monkeypatch):
+    """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
+
+
+def _facts(**changes):
+    return {**dict(dtype=jnp.bfloat16, m=1024, n=1024, k=512, epilogue=False, config=None),
+            **changes}
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"dtype": jnp.float32}, "bfloat16 or float16"),
+    ({"epilogue": True}, "epilogue is fused by pallas_triton"),
+    ({"m": 1000}, r"M a multiple of 128, N of 128 and K of 64 .* 1000, 1024, 512"),
+    ({"k": 520}, "K of 64"),
+    ({"config": jattn.MosaicMatmulConfig(block_m=128, block_n=256), "n": 640}, "N of 256"),
+    ({"config": jattn.MatmulConfig()}, "pass a MosaicMatmulConfig"),
+])
+def test_registry_names_what_the_mosaic_matmul_cannot_run(as_if_on_hopper, change, reason):
+    assert backends.resolve("matmul", MOSAIC, platform="gpu", **_facts()).name == MOSAIC
+    with pytest.raises(ValueError, match=reason):
+        backends.resolve("matmul", MOSAIC, platform="gpu", **_facts(**change))
+
+
+def test_a_mosaic_config_on_the_triton_kernel_raises(as_if_on_hopper):
+    with pytest.raises(ValueError, match="pass a MatmulConfig"):
+        backends.resolve("matmul", "pallas_triton", platform="gpu",
+                         **_facts(config=jattn.MosaicMatmulConfig()))
+
+
+def test_it_needs_a_hopper_gpu(monkeypatch):
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "is_hopper", lambda: False)
+    with pytest.raises(ValueError, match="Hopper"):
+        backends.resolve("matmul", MOSAIC, platform="gpu", **_facts())
+    assert backends.resolve("matmul", platform="gpu", **_facts()).name == "pallas_triton"
+
+
+@pytest.mark.parametrize("facts, chosen", [
+    (dict(m=4096, n=4096, k=4096), MOSAIC),
+    (dict(m=1000), "pallas_triton"),          # ragged
+    (dict(epilogue=True), "pallas_triton"),   # fused epilogue
+    (dict(m=16, n=8192, k=8192), "pallas_triton"),  # skinny: not a tile of rows
+    (dict(m=128, n=8192, k=8192), "pallas_triton"),  # measured slower: few tiles
+    (dict(m=1024, n=1024, k=1024), "pallas_triton"),
+    (dict(m=2048, n=1024, k=1024), MOSAIC),
+])
+def test_hopper_default(as_if_on_hopper, facts, chosen):
+    with backends.recording() as seen:
+        assert backends.resolve("matmul", platform="gpu", **_facts(**facts)).name == chosen
+    if chosen != MOSAIC:
+        assert "skipped pallas_mosaic_gpu" in str(seen[0])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_m=96), r"\[96, 128\] tile"),
+    (dict(block_m=256, block_n=256, split="m"), r"\[128, 256\] tile"),
+    (dict(block_k=32), "block_k must be 64"),
+    (dict(split="k"), "split must be 'm' or 'n'"),
+    (dict(num_stages=0), "num_stages"),
+])
+def test_invalid_configs_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        jattn.MosaicMatmulConfig(**kwargs)
+
+
+@pytest.mark.parametrize("m,n,dtype,expected", [
+    (4096, 4096, jnp.bfloat16, (128, 256, "n", 4)),
+    (256, 384, jnp.float16, (256, 128, "m", 4)),
+    (384, 384, jnp.bfloat16, (128, 128, "n", 4)),
+])
+def test_heuristic_and_search_space_fit_shared_memory(m, n, dtype, expected):
+    config = heuristic_mosaic_config(m, n, 512, dtype)
+    assert (config.block_m, config.block_n, config.split, config.num_stages) == expected
+    space = mosaic_search_space(m, n, 512, dtype)
+    assert config in space
+    for candidate in space:
+        assert m % candidate.block_m == 0 and n % candidate.block_n == 0
+        assert candidate.shared_memory_bytes(2) <= 227 * 1024
+
+
+# ------------------------------------------------------------------------------------------------
+# Lowered for CUDA on the CPU
+# ------------------------------------------------------------------------------------------------
+
+def _spec(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_forward_with_bias_lowers(as_if_on_hopper):
+    fn = functools.partial(jattn.matmul, implementation=MOSAIC)
+    text = lower_for_cuda(lambda a, b, c: fn(a, b, bias=c), _spec(512, 256), _spec(256, 512),
+                          _spec(512, dtype=jnp.float32))
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+def test_backward_products_lower_on_mosaic(as_if_on_hopper):
+    """dA = dC Bᵀ and dB = Aᵀ dC read the operands transposed in shared memory."""
+    def grads(a, b):
+        loss = lambda a, b: jattn.matmul(a, b, implementation=MOSAIC).astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1))(a, b)
+
+    text = lower_for_cuda(grads, _spec(512, 256), _spec(256, 384))
+    assert text.count("mosaic_gpu") >= 3 and "triton" not in text
+
+
+@pytest.mark.parametrize("config", [
+    jattn.MosaicMatmulConfig(block_m=256, block_n=128, split="m", minor="m", group=4),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=128, num_stages=5),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=128, split="m"),
+])
+def test_configs_and_float32_output_lower(as_if_on_hopper, config):
+    fn = functools.partial(jattn.matmul, implementation=MOSAIC, config=config,
+                           out_dtype=jnp.float32)
+    text = lower_for_cuda(fn, _spec(512, 256, dtype=jnp.float16),
+                          _spec(256, 512, dtype=jnp.float16))
+    assert "mosaic_gpu" in text
+
+
+def test_explain_names_the_choice_and_the_fallback(as_if_on_hopper):
+    a, b = jnp.zeros((512, 256), jnp.bfloat16), jnp.zeros((256, 512), jnp.bfloat16)
+    assert "pallas_mosaic_gpu" in jattn.explain(jattn.matmul, a, b)
+    text = jattn.explain(jattn.matmul, a[:500], b)
+    assert "pallas_triton" in text and "M a multiple of 128" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU
+# ------------------------------------------------------------------------------------------------
+
+def _check(a, b, bias=None, **kwargs):
+    fn = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC, **kwargs))
+    out = fn(a, b, bias=bias)
+    reference = functools.partial(matmul_reference, out_dtype=kwargs.get("out_dtype"))
+    call = lambda a, b, c: reference(a, b, bias=c)
+    assert out.dtype == kwargs.get("out_dtype", a.dtype)
+    assert_close(out, golden(call, a, b, bias), low_precision(call, a, b, bias))
+    return out
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k,dtype", [
+    (1024, 2048, 512, jnp.bfloat16),    # 128 x 256 tiles, more tiles than SMs
+    (256, 384, 192, jnp.float16),       # 256 x 128 tiles
+    (384, 640, 1024, jnp.bfloat16),     # 128 x 128 tiles, fewer tiles than SMs
+])
+def test_default_configs_match_golden(m, n, k, dtype):
+    rng = np.random.default_rng(m + n + k)
+    a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
+    _check(a, b, random(rng, (n,), jnp.float32))
+
+
+@gpu
+@pytest.mark.parametrize("config", [
+    jattn.MosaicMatmulConfig(block_m=256, block_n=128, split="m", minor="m", group=4),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=128, split="m", num_stages=5, group=16),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=256, num_stages=3, minor="m", group=3),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=128, minor="n", group=1),
+])
+def test_tile_shapes_and_orders_match_golden(config):
+    rng = np.random.default_rng(config.group)
+    a, b = random(rng, (1536, 768), jnp.bfloat16), random(rng, (768, 2560), jnp.bfloat16)
+    _check(a, b, config=config)
+
+
+@gpu
+def test_float32_output_is_the_accumulator_and_repeatable():
+    """The float32 output is the accumulator the bfloat16 output rounds (its own store path:
+    32-column pieces), within float32 accumulation's bound K·2⁻²³·(|a|·|b|) of the golden: the
+    tensor cores add truncating, so one accumulator over K = 4096 drifts further from the
+    golden than cuBLAS's split-K does, and a 2x-its-error tolerance does not apply."""
+    rng = np.random.default_rng(5)
+    a, b = random(rng, (512, 4096), jnp.bfloat16), random(rng, (4096, 1024), jnp.bfloat16)
+    run = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC, out_dtype=jnp.float32))
+    wide, narrow = run(a, b), _check(a, b)
+    assert wide.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(wide.astype(jnp.bfloat16).astype(jnp.float32)),
+                                  np.asarray(narrow.astype(jnp.float32)))
+    magnitude = golden(lambda a, b: jnp.abs(a) @ jnp.abs(b), a, b)
+    error = np.abs(np.asarray(wide, np.float64) - golden(matmul_reference, a, b))
+    assert np.all(error <= 4096 * 2.0**-23 * magnitude)
+    assert_bitwise_equal_runs(lambda: run(a, b))
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k", [(512, 384, 256), (256, 512, 640)])
+def test_gradients_match_golden(m, n, k):
+    rng = np.random.default_rng(m + k)
+    a, b = random(rng, (m, k), jnp.bfloat16), random(rng, (k, n), jnp.bfloat16)
+    bias, cotangent = random(rng, (n,), jnp.float32), random(rng, (m, n), jnp.bfloat16)
+    ours = functools.partial(jattn.matmul, implementation=MOSAIC)
+    assert_gradients_close(lambda a, b, c: ours(a, b, bias=c),
+                           lambda a, b, c: matmul_reference(a, b, bias=c),
+                           (a, b, bias), cotangent, ("a", "b", "bias"))
+
+
+@gpu
+def test_default_choice_on_hopper_runs_it():
+    if not hardware.is_hopper():
+        pytest.skip("the Mosaic GEMM needs a Hopper GPU")
+    rng = np.random.default_rng(9)
+    a, b = random(rng, (2048, 1024), jnp.bfloat16), random(rng, (1024, 2048), jnp.bfloat16)
+    assert "pallas_mosaic_gpu" in jattn.explain(jattn.matmul, a, b)
+    out = jax.jit(jattn.matmul)(a, b)
+    assert_close(out, golden(matmul_reference, a, b), low_precision(matmul_reference, a, b))
