@@ -373,7 +373,7 @@ def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementat
 
 def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
            epilogue: Epilogue | None = None, out_dtype=None,
-           config: MatmulConfig | str | None = None,
+           config: Config | str | None = None,
            implementation: str | None = None, precision: str | None = None) -> jax.Array:
     """epilogue(a @ b + bias), accumulated in float32, in one kernel.
 
@@ -388,11 +388,15 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         gradients; index them element-wise (`scale[cols]`) — in the kernel each lookup is a
         gather-load, and an array used whole must have a power-of-two size.
       out_dtype: output dtype (default a.dtype).
-      config: a MatmulConfig (used as given), None (cached tuning result, else heuristic) or
-        "autotune" (time the search space on this device once and cache the winner). Backward
-        products pick their own configs for their own shapes.
-      implementation: "pallas_triton", "xla" or "interpret"; default $JATTN_IMPLEMENTATION, else
-        "pallas_triton" on a CUDA GPU and "xla" elsewhere.
+      config: a MatmulConfig (pallas_triton) or MosaicMatmulConfig (pallas_mosaic_gpu), used
+        as given; None (cached tuning result, else heuristic) or "autotune" (time the search
+        space on this device once and cache the winner). Backward products pick their own
+        configs for their own shapes.
+      implementation: "pallas_mosaic_gpu" (Hopper: bf16/fp16, M and N multiples of its tile, K
+        of 64, no epilogue), "pallas_triton", "xla" or "interpret"; default
+        $JATTN_IMPLEMENTATION, else on Hopper "pallas_mosaic_gpu" where it runs the call and
+        was measured faster (from 2**21 outputs), "pallas_triton" on a CUDA GPU, "xla"
+        elsewhere (`jattn.explain` says why).
       precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
         caller's setting (JAX's default: TF32 on the GPU); "highest" gives full float32 products.
 
