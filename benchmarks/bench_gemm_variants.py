@@ -10,8 +10,9 @@ Cases (issue 6, item 5), bf16 inputs and outputs, fp32 accumulation on both side
   mirror image. FLOP model 2·M·P·(K + N) (left), 2·P·N·(K + M) (right).
 - scaled_matmul: jattn.scaled_matmul on float8_e4m3fn 8192^3, tensor-wise and row-wise scales,
   bf16 out, b stored [N, K] on both sides, against torch._scaled_mm on the same values, with
-  the same use_fast_accum on both sides (False, and True for one case). FLOP model 2·M·N·K;
-  torch skipped where it or its GPU is missing.
+  the same use_fast_accum on both sides (False, and True for one case); the default choice
+  ("jattn") and each other kernel backend that runs it. FLOP model 2·M·N·K; torch skipped
+  where it or its GPU is missing.
 - mixed_matmul: int8 and int4 (per channel, and per group of 128) weights at decode shapes
   M in {1, 16, 64}, N = K = 8192, bf16 activations, against XLA dequantise-then-dot and the
   bf16 GEMMs (jattn.matmul and jnp.dot) on the unquantised weight; GB/s of weight bytes read
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jattn
+from jattn._src import backends
 from jattn._src.gemm.reference import mixed_matmul_reference
 from benchmarks import record
 from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch, warm_up
@@ -44,6 +46,8 @@ MM_PLUS_MM = [("mm+mm M=N=8192 K=128+128", 8192, 8192, 128, 128),
 B2B = [("b2b left M=8192 K=N=128 P=8192", "left", 8192, 128, 8192, 128),
        ("b2b right M=128 K=128 P=8192 N=8192", "right", 128, 128, 8192, 8192)]
 # (name, M, N, K, scale mode, use_fast_accum on both sides)
+# The other kernel backends scaled_matmul is timed on beside its default ("jattn").
+SCALED_KERNELS = ("pallas_triton", "pallas_mosaic_gpu")
 SCALED = [("fp8 8192^3 tensor-wise", 8192, 8192, 8192, "tensor", False),
           ("fp8 8192^3 row-wise", 8192, 8192, 8192, "row", False),
           ("fp8 8192^3 tensor-wise fast accum", 8192, 8192, 8192, "tensor", True)]
@@ -127,6 +131,15 @@ def _scale_values(rng, m: int, n: int, mode: str):
     return [np.asarray(rng.uniform(0.5, 2.0, shape), np.float32) for shape in shapes]
 
 
+def _runs(op: str, implementation: str, facts: dict) -> bool:
+    """Whether `implementation` of `op` runs a call with these facts on this machine."""
+    try:
+        backends.resolve(op, implementation, **facts)
+    except ValueError:
+        return False
+    return True
+
+
 def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
@@ -140,12 +153,21 @@ def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
     a_dev, b_nk = jnp.asarray(a), jnp.asarray(np.ascontiguousarray(b.T))
     sets = [[(a_dev * f).astype(fp8), (b_nk * f).astype(fp8), jnp.asarray(scale_a),
              jnp.asarray(scale_b)] for f in factors]
-    ours = jax.jit(lambda a, b_nk, sa, sb: jattn.scaled_matmul(a, b_nk.T, sa, sb,
-                                                               use_fast_accum=fast))
+    facts = dict(dtype=fp8, m=m, n=n, k=k)
+    default = backends.resolve("scaled_matmul", **facts).name
+    kernels = [default] + [name for name in SCALED_KERNELS
+                           if name != default and _runs("scaled_matmul", name, facts)]
+
+    def ours_on(implementation):
+        return jax.jit(lambda a, b_nk, sa, sb: jattn.scaled_matmul(
+            a, b_nk.T, sa, sb, use_fast_accum=fast, implementation=implementation))
+
+    ours = ours_on(default)
     compile_s = first_call_seconds(ours, *sets[0])
     seconds = {"jattn": time_jax(ours, sets)}
+    seconds |= {name: time_jax(ours_on(name), sets) for name in kernels[1:]}
     row = {"case": name, "baseline": "torch", "m": m, "n": n, "k": k, "mode": mode,
-           "use_fast_accum": fast, "first_call_s": compile_s}
+           "use_fast_accum": fast, "default": default, "first_call_s": compile_s}
     torch = _torch_on_gpu()
     if torch is not None:
         a_t, b_t = torch.from_numpy(a).cuda(), torch.from_numpy(np.ascontiguousarray(b.T)).cuda()
@@ -160,6 +182,8 @@ def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
         seconds["torch"] = time_torch(baseline, torch_sets)
         theirs = baseline(*torch_sets[0]).float().cpu().numpy()
         row["vs_torch"] = seconds["torch"] / seconds["jattn"]
+        row["kernels_vs_torch"] = {name: seconds["torch"] / seconds[name]
+                                   for name in kernels[1:]}
         row["max_abs_diff_vs_torch"] = float(np.abs(
             np.asarray(ours(*sets[0]).astype(jnp.float32)) - theirs).max())
     row["seconds"] = seconds

@@ -268,7 +268,8 @@ scaled_matmul, scaled_matmul_backward = register(GemmOp(
     "scaled_matmul", jattn.scaled_matmul,
     ("Tensor a", "Tensor b", "Tensor scale_a", "Tensor scale_b", *_BIAS), _scaled_matmul_fake,
     options=("ScalarType out_dtype", "bool use_fast_accum"),
-    grads=("a", "b", "scale_a", "scale_b", "bias"), no_gradient=_SCALED_MATMUL_NO_GRADIENT))
+    grads=("a", "b", "scale_a", "scale_b", "bias"), no_gradient=_SCALED_MATMUL_NO_GRADIENT,
+    facts=_product_facts))
 mixed_matmul, mixed_matmul_backward = register(GemmOp(
     "mixed_matmul", jattn.mixed_matmul, ("Tensor a", "Tensor qweight", "Tensor scales"),
     _mixed_matmul_fake, options=("int bits", "int? group_size"), grads=("a", "scales")))

@@ -48,6 +48,8 @@ def test_cache_round_trip_feeds_config_choice(tmp_path, monkeypatch):
     xla = backends.implementations("matmul")["xla"]
     assert api._cache_key(xla, 1024, 1024, 1024, jnp.bfloat16) != api._cache_key(
         interpret, 1024, 1024, 1024, jnp.bfloat16)
+    assert api._cache_key(interpret, 1024, 1024, 1024, jnp.float8_e4m3fn) != api._cache_key(
+        interpret, 1024, 1024, 1024, jnp.float8_e4m3fn, fast_accum=True)
     assert (tmp_path / "autotune.json").exists()
 
 

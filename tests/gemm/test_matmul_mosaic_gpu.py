@@ -1,9 +1,10 @@
-"""matmul on Mosaic GPU (implementation="pallas_mosaic_gpu").
+"""The Mosaic GPU GEMM (implementation="pallas_mosaic_gpu"): matmul and scaled_matmul.
 
 On the CPU: the registry's reasons for the calls the kernel cannot run, the default choice, the
-config's validation, and the kernel lowered for CUDA (forward, backward, float32 output). The
-Mosaic GPU interpreter cannot run it (no wgmma), so its numerics are checked on the GPU against
-a float64 golden: tile shapes and orders, bias, float16, float32 output, gradients.
+config's validation, and the kernel lowered for CUDA (forward, backward, float32 output, fp8
+with either accumulation). The Mosaic GPU interpreter cannot run it (no wgmma), so its
+numerics are checked on the GPU against a float64 golden: tile shapes and orders, bias,
+float16, float32 output, gradients, fp8 scales (scaled_matmul's own tests hold the rest).
 """
 
 import functools
@@ -16,7 +17,7 @@ import pytest
 import jattn
 from jattn._src import backends, hardware
 from jattn._src.gemm.config import heuristic_mosaic_config, mosaic_search_space
-from jattn._src.gemm.reference import matmul_reference
+from jattn._src.gemm.reference import matmul_reference, scaled_matmul_reference
 from tests.helpers import (assert_bitwise_equal_runs, assert_close, assert_gradients_close,
                            golden, low_precision, lower_for_cuda, random)
 
@@ -37,12 +38,15 @@ def _facts(**changes):
 
 
 @pytest.mark.parametrize("change, reason", [
-    ({"dtype": jnp.float32}, "bfloat16 or float16"),
+    ({"dtype": jnp.float32}, "bfloat16, float16 or fp8"),
     ({"epilogue": True}, "epilogue is fused by pallas_triton"),
     ({"m": 1000}, r"M a multiple of 128, N of 128 and K of 64 .* 1000, 1024, 512"),
     ({"k": 520}, "K of 64"),
     ({"config": jattn.MosaicMatmulConfig(block_m=128, block_n=256), "n": 640}, "N of 256"),
     ({"config": jattn.MatmulConfig()}, "pass a MosaicMatmulConfig"),
+    ({"dtype": jnp.float8_e4m3fn, "config": jattn.MosaicMatmulConfig(128, 128)},
+     "float8_e4m3fn operands take MosaicMatmulConfig.block_k=128"),
+    ({"dtype": jnp.float8_e5m2, "k": 576}, "K of 128"),
 ])
 def test_registry_names_what_the_mosaic_matmul_cannot_run(as_if_on_hopper, change, reason):
     assert backends.resolve("matmul", MOSAIC, platform="gpu", **_facts()).name == MOSAIC
@@ -83,7 +87,7 @@ def test_hopper_default(as_if_on_hopper, facts, chosen):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(block_m=96), r"\[96, 128\] tile"),
     (dict(block_m=256, block_n=256, split="m"), r"\[128, 256\] tile"),
-    (dict(block_k=32), "block_k must be 64"),
+    (dict(block_k=32), "block_k must be 64 .* or 128"),
     (dict(split="k"), "split must be 'm' or 'n'"),
     (dict(num_stages=0), "num_stages"),
 ])
@@ -93,18 +97,25 @@ def test_invalid_configs_raise(kwargs, message):
 
 
 @pytest.mark.parametrize("m,n,dtype,expected", [
-    (4096, 4096, jnp.bfloat16, (128, 256, "n", 4)),
-    (256, 384, jnp.float16, (256, 128, "m", 4)),
-    (384, 384, jnp.bfloat16, (128, 128, "n", 4)),
+    (4096, 4096, jnp.bfloat16, (128, 256, 64, "n", 4)),
+    (256, 384, jnp.float16, (256, 128, 64, "m", 4)),
+    (384, 384, jnp.bfloat16, (128, 128, 64, "n", 4)),
+    (4096, 4096, jnp.float8_e4m3fn, (128, 128, 128, "m", 4)),  # room to promote fp8 sums
+    (4096, 4096, "fast fp8", (128, 256, 128, "n", 4)),
 ])
 def test_heuristic_and_search_space_fit_shared_memory(m, n, dtype, expected):
-    config = heuristic_mosaic_config(m, n, 512, dtype)
-    assert (config.block_m, config.block_n, config.split, config.num_stages) == expected
-    space = mosaic_search_space(m, n, 512, dtype)
+    fast = dtype == "fast fp8"
+    dtype = jnp.float8_e4m3fn if fast else dtype
+    config = heuristic_mosaic_config(m, n, 512, dtype, fast_accum=fast)
+    assert (config.block_m, config.block_n, config.block_k, config.split,
+            config.num_stages) == expected
+    space = mosaic_search_space(m, n, 512, dtype, fast_accum=fast)
     assert config in space
+    itemsize = jnp.dtype(dtype).itemsize
     for candidate in space:
         assert m % candidate.block_m == 0 and n % candidate.block_n == 0
-        assert candidate.shared_memory_bytes(2) <= 227 * 1024
+        assert candidate.block_k * itemsize == 128
+        assert candidate.shared_memory_bytes(itemsize) <= 227 * 1024
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,6 +154,32 @@ def test_configs_and_float32_output_lower(as_if_on_hopper, config):
     text = lower_for_cuda(fn, _spec(512, 256, dtype=jnp.float16),
                           _spec(256, 512, dtype=jnp.float16))
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("row_wise", [False, True])
+def test_scaled_matmul_lowers(as_if_on_hopper, fast, row_wise):
+    """b read K-major (stored [N, K]); scales and bias on the accumulator; with promotion, a
+    second accumulator per K-step."""
+    def scaled(a, b_nk, scale_a, scale_b, bias):
+        return jattn.scaled_matmul(a, b_nk.T, scale_a, scale_b, bias=bias,
+                                   use_fast_accum=fast, implementation=MOSAIC)
+
+    f8 = jnp.float8_e4m3fn
+    text = lower_for_cuda(scaled, _spec(512, 1024, dtype=f8), _spec(768, 1024, dtype=f8),
+                          _spec(*((512,) if row_wise else ()), dtype=jnp.float32),
+                          _spec(768, dtype=jnp.float32), _spec(768, dtype=jnp.float32))
+    assert "mosaic_gpu" in text and "triton" not in text
+
+
+def test_promoted_accumulation_needs_a_small_consumer_tile(as_if_on_hopper):
+    f8 = jnp.float8_e4m3fn
+    a, b = jnp.zeros((512, 512), f8), jnp.zeros((512, 512), f8)
+    config = jattn.MosaicMatmulConfig(block_m=128, block_n=256, block_k=128)
+    with pytest.raises(ValueError, match=r"a consumer's \[128, 128\] tile .* use_fast_accum"):
+        jax.jit(lambda a, b: jattn.scaled_matmul(a, b, jnp.float32(1), jnp.float32(1),
+                                                 config=config, implementation=MOSAIC)
+                ).trace(a, b)
 
 
 def test_explain_names_the_choice_and_the_fallback(as_if_on_hopper):
@@ -231,3 +268,30 @@ def test_default_choice_on_hopper_runs_it():
     assert "pallas_mosaic_gpu" in jattn.explain(jattn.matmul, a, b)
     out = jax.jit(jattn.matmul)(a, b)
     assert_close(out, golden(matmul_reference, a, b), low_precision(matmul_reference, a, b))
+
+
+@gpu
+@pytest.mark.parametrize("m,n,k,dtype,mode", [
+    (1024, 1024, 1024, jnp.float8_e4m3fn, "tensor"),
+    (256, 384, 512, jnp.float8_e5m2, "row"),    # fast accumulation: 256 x 128 tiles
+    (2048, 1024, 4096, jnp.float8_e4m3fn, "row"),
+])
+@pytest.mark.parametrize("fast", [False, True])
+def test_scaled_matmul_matches_golden(m, n, k, dtype, mode, fast):
+    """Promoted: 128 x 128 tiles; fast accumulation: the wide tiles (128 x 256 here)."""
+    rng = np.random.default_rng(m + k)
+    a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
+    if mode == "tensor":
+        scale_a, scale_b = jnp.float32(0.7), jnp.float32(1.3)
+    else:
+        scale_a = jnp.asarray(rng.uniform(0.5, 2, m), jnp.float32)
+        scale_b = jnp.asarray(rng.uniform(0.5, 2, n), jnp.float32)
+    bias = random(rng, (n,), jnp.float32)
+    run = jax.jit(functools.partial(jattn.scaled_matmul, use_fast_accum=fast,
+                                    implementation=MOSAIC))
+    out = run(a, b, scale_a, scale_b, bias=bias)
+    reference = lambda a, b, sa, sb, c: scaled_matmul_reference(a, b, sa, sb, bias=c,
+                                                                out_dtype=jnp.bfloat16)
+    args = (a, b, scale_a, scale_b, bias)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, golden(reference, *args), low_precision(reference, *args))

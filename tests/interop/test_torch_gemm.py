@@ -187,3 +187,20 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     for out in (no_grad, plain):
         assert out.grad_fn is None and not out.requires_grad
         assert torch.equal(out, recorded.detach())
+
+
+@pytest.mark.parametrize("op, dtype, shapes, chosen", [
+    ("matmul", torch.bfloat16, ((4, 512, 256), (256, 1024)), "pallas_mosaic_gpu"),
+    ("matmul", torch.bfloat16, ((1000, 256), (256, 512)), "pallas_triton"),  # ragged M
+    ("matmul", torch.bfloat16, ((1024, 256), (256, 1024)), "pallas_triton"),  # measured slower
+    ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
+    ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
+])
+def test_cuda_ops_choose_as_jattn_does_on_hopper(monkeypatch, op, dtype, shapes, chosen):
+    """The torch GEMM ops pass jattn's facts (dtype, M, N, K) to the same default choice."""
+    from jattn._src import bridge, hardware
+
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
+    a, b = (torch.empty(shape, device="meta", dtype=dtype) for shape in shapes)
+    assert bridge.resolve(op, None, on_cuda=True, **_gemm_ops._product_facts(a, b)) == chosen

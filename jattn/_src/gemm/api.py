@@ -36,17 +36,19 @@ def _triton_unsupported(*, config=None, **facts) -> str | None:
     return None
 
 
-# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles); matmul also on
-# Mosaic GPU (MosaicMatmulConfig tiles). The backward products run matmul's implementation.
+# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles); matmul and
+# scaled_matmul also on Mosaic GPU (MosaicMatmulConfig tiles). The backward products run
+# matmul's implementation.
 for _op in ("matmul", "bmm", "mm_plus_mm", "scaled_matmul"):
     backends.register_xla_and_kernels(_op, xla, pallas_triton, config_class=MatmulConfig,
                                       heuristic=heuristic_config, search_space=search_space,
                                       unsupported=_triton_unsupported)
-backends.register(Implementation(
-    "matmul", backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
-    unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,
-    config_class=MosaicMatmulConfig, heuristic=heuristic_mosaic_config,
-    search_space=mosaic_search_space))
+for _op in ("matmul", "scaled_matmul"):
+    backends.register(Implementation(
+        _op, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
+        unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,
+        config_class=MosaicMatmulConfig, heuristic=heuristic_mosaic_config,
+        search_space=mosaic_search_space))
 
 Config = MatmulConfig | MosaicMatmulConfig
 
@@ -143,10 +145,11 @@ def _trace_epilogue(op: str, epilogue: Epilogue, tile: tuple[int, int], full: tu
 RunMaker = Callable[[Config], Callable[[], Any]]
 
 
-def _cache_key(implementation: Implementation, m: int, n: int, k: int, dtype: jnp.dtype) -> str:
+def _cache_key(implementation: Implementation, m: int, n: int, k: int, dtype: jnp.dtype,
+               fast_accum: bool = False) -> str:
     bucket = "x".join(str(next_power_of_two(d)) for d in (m, n, k))
     return (f"{implementation.name}|{hardware.device_kind()}|{bucket}|"
-            f"{jnp.dtype(dtype).name}")
+            f"{jnp.dtype(dtype).name}" + ("|fast_accum" if fast_accum else ""))
 
 
 def random_operand(shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
@@ -173,21 +176,23 @@ def _check_config_type(op: str, config: Any) -> None:
 
 def choose_config(op: str, implementation: Implementation, config: Config | str | None,
                   m: int, n: int, k: int, dtype: jnp.dtype, *, runs: RunMaker | None = None,
-                  split_k: bool = True) -> Config:
+                  split_k: bool = True, fast_accum: bool = False) -> Config:
     """The config of one `op` product on a kernel implementation: the caller's as given; else
     the op's cached tuning result; else (config="autotune") the search space timed now on
     this device with `runs` (default: matmul's) and the winner cached under (op,
-    implementation, device, shape bucket, dtype); else the heuristic. split_k=False: the op's
-    kernel cannot split K (a cached or heuristic config runs with split_k = 1).
+    implementation, device, shape bucket, dtype, fast_accum); else the heuristic.
+    split_k=False: the op's kernel cannot split K (a cached or heuristic config runs with
+    split_k = 1). fast_accum: fp8 accumulated by the tensor cores throughout (tiles that
+    promote partial sums need not fit).
     """
     if isinstance(config, implementation.config_class):
         return config
-    key = _cache_key(implementation, m, n, k, dtype)
+    key = _cache_key(implementation, m, n, k, dtype, fast_accum)
     cached = cache.lookup(op, key)
     if cached is not None:
         chosen = implementation.config_class(**cached)
     elif config == "autotune":
-        candidates = implementation.search_space(m, n, k, dtype)
+        candidates = implementation.search_space(m, n, k, dtype, fast_accum=fast_accum)
         if not split_k:
             candidates = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
                                             for c in candidates))
@@ -197,7 +202,7 @@ def choose_config(op: str, implementation: Implementation, config: Config | str 
             desc=f"jattn: tuning {op} {m}x{n}x{k} {jnp.dtype(dtype).name}")
         cache.store(op, key, dataclasses.asdict(chosen))
     else:
-        chosen = implementation.heuristic(m, n, k, dtype)
+        chosen = implementation.heuristic(m, n, k, dtype, fast_accum=fast_accum)
     if split_k or not hasattr(chosen, "split_k"):
         return chosen
     return dataclasses.replace(chosen, split_k=1)
@@ -312,12 +317,13 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
                  implementation, *, split_k: bool = True, runs: Callable | None = None,
-                 precision=None) -> tuple[Options, tuple[Any, ...]]:
+                 precision=None, fast_accum: bool = False) -> tuple[Options, tuple[Any, ...]]:
     """Validated static options of an [m, k] @ [k, n] product, and the epilogue's captures.
 
     split_k=False (fused variants that cannot split K): a caller's config with split_k > 1 is
     rejected, and a cached or heuristic one runs with split_k = 1. runs(implementation): the
-    op's RunMaker for config="autotune" (default: a plain matmul of the shape).
+    op's RunMaker for config="autotune" (default: a plain matmul of the shape). fast_accum:
+    as `choose_config`'s.
     """
     _check_bias(op, bias, n)
     out_dtype = _out_dtype(op, out_dtype, dtype)
@@ -329,13 +335,13 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     if state.record is not None and not backends.explaining() and not any(
             isinstance(x, jax.core.Tracer) for x in state.arrays):
         key = (op, m, n, k, jnp.dtype(dtype), out_dtype, config, implementation, split_k,
-               precision, state.record, backends.requested_implementation(),
+               fast_accum, precision, state.record, backends.requested_implementation(),
                hardware.default_platform())
         plan = _PLANS.get(key) if runs is None else None
         if plan is not None:
             return plan[0], tuple(guards.fetch(plan[1], state.arrays))
     options, captures = _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config,
-                                        implementation, split_k, runs, precision)
+                                        implementation, split_k, runs, precision, fast_accum)
     sources = None if key is None else guards.sources_of(list(captures), state.arrays)
     if sources is not None and runs is None:
         _PLANS.put(key, (options, sources))
@@ -347,7 +353,7 @@ _PLANS: ProgramCache[tuple] = ProgramCache("gemm.plans")
 
 
 def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementation, split_k,
-                    runs, precision) -> tuple[Options, tuple[Any, ...]]:
+                    runs, precision, fast_accum) -> tuple[Options, tuple[Any, ...]]:
     """make_options' slow path: the implementation and config chosen, the epilogue traced."""
     implementation = backends.resolve(op, implementation, dtype=dtype, m=m, n=n, k=k,
                                       epilogue=epilogue is not None, config=config)
@@ -360,7 +366,8 @@ def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementat
         resolved, tile = None, (m, n)
     else:
         resolved = choose_config(op, implementation, config, m, n, k, dtype, split_k=split_k,
-                                 runs=None if runs is None else runs(implementation))
+                                 runs=None if runs is None else runs(implementation),
+                                 fast_accum=fast_accum)
         tile = (resolved.block_m, resolved.block_n)
     epilogue_tile = epilogue_full = None
     captures: Sequence[Any] = ()

@@ -77,8 +77,10 @@ def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
     return split
 
 
-def heuristic_config(m: int, n: int, k: int, dtype: np.dtype) -> MatmulConfig:
-    """The default config for an [m, k] @ [k, n] product of `dtype` inputs.
+def heuristic_config(m: int, n: int, k: int, dtype: np.dtype,
+                     fast_accum: bool = False) -> MatmulConfig:
+    """The default config for an [m, k] @ [k, n] product of `dtype` inputs (fp8's
+    accumulation mode, `fast_accum`, does not change these tiles).
 
     The tile shapes are the H100 autotuning winners of benchmarks/HISTORY.md for bf16.
     """
@@ -139,8 +141,10 @@ def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
     return dataclasses.replace(config, block_k=max(config.block_k, 32 if bits == 4 else 16))
 
 
-def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
-    """Candidate configs for the autotuner, fitted to the shape and to shared memory."""
+def search_space(m: int, n: int, k: int, dtype: np.dtype,
+                 fast_accum: bool = False) -> list[MatmulConfig]:
+    """Candidate configs for the autotuner, fitted to the shape and to shared memory (whatever
+    fp8's accumulation mode)."""
     itemsize = np.dtype(dtype).itemsize
     if m <= 64:
         tiles = itertools.product((16, 32, 64), (32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
@@ -160,11 +164,20 @@ def search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MatmulConfig]:
     return list(seen)
 
 
-# A 16-bit operand row of one TMA box and wgmma swizzle span: 64 elements (128 bytes).
-MOSAIC_BLOCK_K = 64
+# One TMA box row and wgmma swizzle span of an operand: 128 bytes (block_k = 128 // itemsize:
+# 64 elements of 16-bit operands, 128 of fp8).
+MOSAIC_OPERAND_ROW_BYTES = 128
 # A Mosaic GEMM consumer stores its output through shared memory in pieces of 64 rows of 128
-# bytes (one swizzle span), two in flight: 16 KiB for the two consumers.
+# bytes (one swizzle span), two in flight: 32 KiB for the two consumers.
 MOSAIC_STAGING_BYTES = 2 * 2 * 64 * 128
+# Accumulator values one consumer warpgroup holds when fp8 partial sums are promoted into a
+# second float32 accumulator (both in registers).
+MOSAIC_PROMOTED_VALUES = 64 * 128
+
+
+def mosaic_block_k(dtype) -> int:
+    """The Mosaic GEMM's K step for operands of `dtype`: one 128-byte swizzle span."""
+    return MOSAIC_OPERAND_ROW_BYTES // np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +188,7 @@ class MosaicMatmulConfig:
       it as a float32 accumulator, split along `split` ("m": two [block_m / 2, block_n]
       halves; "n": two [block_m, block_n / 2]); a half is [64 or 128, 64 to 256] with at most
       128 x 128 values (the registers of one warpgroup).
-    block_k: the K step (64: one 128-byte swizzle span of 16-bit operands).
+    block_k: the K step, one 128-byte swizzle span: 64 for 16-bit operands, 128 for fp8.
     num_stages: K steps of A and B tiles in flight in shared memory (the producer warpgroup's
       TMA ring).
     minor, group: the order programs take output tiles in: `group` tiles along `minor` ("m" or
@@ -192,7 +205,7 @@ class MosaicMatmulConfig:
 
     block_m: int = 128
     block_n: int = 256
-    block_k: int = MOSAIC_BLOCK_K
+    block_k: int = 64
     num_stages: int = 4
     split: str = "n"
     minor: str = "n"
@@ -204,9 +217,9 @@ class MosaicMatmulConfig:
             if getattr(self, name) not in ("m", "n"):
                 raise ValueError(f"MosaicMatmulConfig.{name} must be 'm' or 'n', got "
                                  f"{getattr(self, name)!r}.")
-        if self.block_k != MOSAIC_BLOCK_K:
-            raise ValueError(f"MosaicMatmulConfig.block_k must be {MOSAIC_BLOCK_K} (one swizzle "
-                             f"span of 16-bit operands), got {self.block_k}.")
+        if self.block_k not in (64, 128):
+            raise ValueError(f"MosaicMatmulConfig.block_k must be 64 (16-bit operands) or 128 "
+                             f"(fp8): one 128-byte swizzle span, got {self.block_k}.")
         rows, cols = self.warpgroup_tile
         if rows not in (64, 128) or cols % 64 or not 64 <= cols <= 256 or rows * cols > 128 * 128:
             raise ValueError(
@@ -228,29 +241,46 @@ class MosaicMatmulConfig:
         return ring + MOSAIC_STAGING_BYTES
 
 
-def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype) -> MosaicMatmulConfig:
+def _fp8(dtype) -> bool:
+    return np.dtype(dtype).itemsize == 1
+
+
+def _mosaic_tiles(dtype, fast_accum: bool) -> tuple[tuple[int, int, str], ...]:
+    """(block_m, block_n, split) candidates, preferred first. fp8 whose partial sums are
+    promoted takes 128 x 128 split along m: a consumer's [64, 128] leaves the registers for a
+    second accumulator."""
+    if _fp8(dtype) and not fast_accum:
+        return ((128, 128, "m"),)
+    return ((128, 256, "n"), (256, 128, "m"), (128, 128, "n"), (128, 128, "m"))
+
+
+def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype,
+                            fast_accum: bool = False) -> MosaicMatmulConfig:
     """The default Mosaic GEMM config: the largest tile (128 x 256, then 256 x 128, then
-    128 x 128) that divides [m, n], with as many stages as shared memory holds (at most 4)."""
+    128 x 128; fp8 promoted: 128 x 128) that divides [m, n], with as many stages as shared
+    memory holds, at most 4 (fp8 at 8192^3 measured 4 faster than 6)."""
     itemsize = np.dtype(dtype).itemsize
-    for block_m, block_n, split in ((128, 256, "n"), (256, 128, "m"), (128, 128, "n")):
+    for block_m, block_n, split in _mosaic_tiles(dtype, fast_accum):
         if m % block_m == 0 and n % block_n == 0:
             break
-    config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, split=split)
+    config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, block_k=mosaic_block_k(dtype),
+                                split=split)
     while config.shared_memory_bytes(itemsize) > SHARED_MEMORY_BYTES:
         config = dataclasses.replace(config, num_stages=config.num_stages - 1)
     return config
 
 
-def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype) -> list[MosaicMatmulConfig]:
+def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype,
+                        fast_accum: bool = False) -> list[MosaicMatmulConfig]:
     """Candidate Mosaic GEMM configs: the tiles that divide [m, n], stages, tile orders."""
     itemsize = np.dtype(dtype).itemsize
     candidates = []
     for (block_m, block_n, split), stages, minor, group in itertools.product(
-            ((128, 256, "n"), (256, 128, "m"), (128, 128, "n"), (128, 128, "m")), (3, 4, 5),
-            ("m", "n"), (4, 8, 16)):
+            _mosaic_tiles(dtype, fast_accum), (3, 4, 5, 6), ("m", "n"), (4, 8, 16)):
         if m % block_m or n % block_n:
             continue
-        config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, num_stages=stages,
+        config = MosaicMatmulConfig(block_m=block_m, block_n=block_n,
+                                    block_k=mosaic_block_k(dtype), num_stages=stages,
                                     split=split, minor=minor, group=group)
         if config.shared_memory_bytes(itemsize) <= SHARED_MEMORY_BYTES:
             candidates.append(config)

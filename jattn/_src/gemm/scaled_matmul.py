@@ -1,7 +1,8 @@
 """scaled_matmul: fp8 GEMM with tensor-wise or row-wise scales, as torch._scaled_mm; forward only.
 
-Validation and canonical scale shapes live here; the kernel is `jattn.matmul`'s (see
-pallas_triton.scaled_matmul), with the scales applied to the fp32 tile before the bias.
+Validation and canonical scale shapes live here; the kernels are `jattn.matmul`'s (see
+pallas_triton.scaled_matmul and pallas_mosaic_gpu.scaled_product), with the scales applied to
+the fp32 tile before the bias.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jattn._src.gemm.api import Options, make_options
-from jattn._src.gemm.config import MatmulConfig
+from jattn._src.gemm.api import Config, Options, make_options
 from jattn._src.programs import jitted
 
 _OP = "scaled_matmul"
@@ -76,7 +76,7 @@ _scaled_matmul.defvjp(_scaled_matmul_fwd, _scaled_matmul_bwd)
 
 def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array, *,
                   bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
-                  use_fast_accum: bool = False, config: MatmulConfig | None = None,
+                  use_fast_accum: bool = False, config: Config | None = None,
                   implementation: str | None = None) -> jax.Array:
     """(a @ b) * scale_a[:, None] * scale_b[None, :] + bias on fp8 inputs, as torch._scaled_mm.
 
@@ -94,15 +94,19 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
       bias: optional [N], any float dtype, added after scaling.
       out_dtype: bfloat16 (default), float16 or float32.
       use_fast_accum: as torch._scaled_mm's. False: the tensor cores' fp8 partial sums are
-        promoted into the float32 accumulator every min(block_k, 128) K elements (as
-        DeepGEMM does); True: the tensor cores accumulate the whole K range themselves (faster,
-        less accurate for long K). Both need the `triton` package on the GPU (it compiles the
-        kernel with Triton's fp8 accumulation setting, which Pallas does not expose); without
-        it the kernel promotes after every MMA instruction and runs far slower. The xla and
-        interpret implementations accumulate in float32 either way.
-      config: a MatmulConfig (used as given, split_k must be 1), or None (cached tuning result,
-        else the heuristic, run without split-K).
-      implementation: "pallas_triton", "xla" or "interpret", as in `jattn.matmul`.
+        promoted into the float32 accumulator every 128 K elements (pallas_triton: every
+        min(block_k, 128); as DeepGEMM does); True: the tensor cores accumulate the whole K
+        range themselves (faster, less accurate for long K). pallas_triton needs the `triton`
+        package on the GPU for both (it compiles the kernel with Triton's fp8 accumulation
+        setting, which Pallas does not expose); without it the kernel promotes after every MMA
+        instruction and runs far slower. The xla and interpret implementations accumulate in
+        float32 either way.
+      config: a MatmulConfig (pallas_triton; used as given, split_k must be 1), a
+        MosaicMatmulConfig (pallas_mosaic_gpu; block_k=128, and with promoted accumulation a
+        consumer's tile of at most 64 x 128), or None (cached tuning result, else the
+        heuristic, run without split-K).
+      implementation: "pallas_mosaic_gpu" (Hopper; M and N multiples of 128, K of 128),
+        "pallas_triton", "xla" or "interpret", as in `jattn.matmul`.
 
     Returns:
       [M, N] of out_dtype. Not differentiable: a forward (inference) op, and jax.grad through it
@@ -124,11 +128,12 @@ def scaled_matmul(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.A
     if out not in _OUT_DTYPES:
         raise TypeError(f"{_OP}: `out_dtype`={out} is not supported; use bfloat16, float16 or "
                         "float32.")
-    if not (config is None or isinstance(config, MatmulConfig)):
-        raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
+    if not (config is None or isinstance(config, Config)):
+        raise TypeError(f"{_OP}: `config` must be a MatmulConfig (pallas_triton), a "
+                        f"MosaicMatmulConfig (pallas_mosaic_gpu) or None, got {config!r}.")
     (m, k), n = a.shape, b.shape[1]
     scale_a = _canonical_scale("scale_a", scale_a, "row of a", ((m,), (m, 1)), (m, 1))
     scale_b = _canonical_scale("scale_b", scale_b, "column of b", ((n,), (1, n)), (1, n))
     options, _ = make_options(_OP, m, n, k, a.dtype, bias, None, out_dtype, config,
-                              implementation, split_k=False)
+                              implementation, split_k=False, fast_accum=use_fast_accum)
     return jitted(_scaled_matmul, options, use_fast_accum)(a, b, scale_a, scale_b, bias)
