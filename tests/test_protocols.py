@@ -12,8 +12,8 @@ from jattn._src.attention.common import AttentionBackend
 from jattn._src.decoding.call import DecodeBackend
 from jattn._src.gemm import protocols
 
-PROTOCOLS = {"matmul": protocols.GemmBackend, "bmm": protocols.GemmBackend,
-             "mm_plus_mm": protocols.GemmBackend, "scaled_matmul": protocols.GemmBackend,
+PROTOCOLS = {"matmul": protocols.MatmulBackend, "bmm": protocols.MatmulBackend,
+             "mm_plus_mm": protocols.MmPlusMmBackend, "scaled_matmul": protocols.ScaledBackend,
              "b2b_matmul": protocols.B2BBackend, "mixed_matmul": protocols.MixedBackend,
              "flex_decode": DecodeBackend, "flex_attention": AttentionBackend}
 

@@ -54,14 +54,14 @@ def unsupported(*, dtype=None, m=None, n=None, k=None, epilogue=False, config=No
         return ("a MatmulConfig gives pallas_triton's tiles; pass a MosaicMatmulConfig for "
                 "these kernels.")
     if dtype is not None and jnp.dtype(dtype) not in DTYPES:
-        return (f"it takes bfloat16, float16 or fp8 operands, not {jnp.dtype(dtype)}.")
+        return f"it takes bfloat16, float16 or fp8 operands, not {jnp.dtype(dtype)}."
     if epilogue:
         return "an epilogue is fused by pallas_triton's kernel only."
     step = None if dtype is None else mosaic_block_k(dtype)
     if isinstance(config, MosaicMatmulConfig) and step is not None and config.block_k != step:
         return (f"{jnp.dtype(dtype)} operands take MosaicMatmulConfig.block_k={step} (one "
                 f"128-byte swizzle span), not {config.block_k}.")
-    if m is not None:
+    if m is not None and step is not None:
         rows, cols = ((config.block_m, config.block_n)
                       if isinstance(config, MosaicMatmulConfig) else (128, 128))
         if m % rows or n % cols or k % step:
@@ -242,7 +242,7 @@ def matmul(a: jax.Array, b: jax.Array, *, config: MosaicMatmulConfig, out_dtype,
 
 
 # ------------------------------------------------------------------------------------------------
-# The op's entry points (gemm/protocols.py GemmBackend; matmul's products only)
+# The ops' entry points (gemm/protocols.py: MatmulBackend, ScaledBackend)
 # ------------------------------------------------------------------------------------------------
 
 def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
@@ -250,7 +250,7 @@ def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures:
                    transpose_b: bool = False, epilogue_tile: TracedFunction | None = None,
                    epilogue_full: TracedFunction | None = None, save_preact: bool = False,
                    interpret: bool = False):
-    """GemmBackend.matmul_product: the kernel (calls with an epilogue never resolve here)."""
+    """MatmulBackend.matmul_product: the kernel (calls with an epilogue never resolve here)."""
     del captures, epilogue_tile, epilogue_full, save_preact, interpret
     return matmul(a, b, config=config, out_dtype=out_dtype, transpose_a=transpose_a,
                   transpose_b=transpose_b, bias=bias)
@@ -259,7 +259,7 @@ def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures:
 def scaled_product(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
                    bias: jax.Array | None, *, config: MosaicMatmulConfig, out_dtype,
                    use_fast_accum: bool = False, interpret: bool = False) -> jax.Array:
-    """GemmBackend.scaled_product: b read as its transpose [N, K] (K-major, as wgmma takes fp8;
+    """ScaledBackend.scaled_product: b read as its transpose [N, K] (K-major, as wgmma takes fp8;
     under jit XLA cancels the transpose of weights stored [N, K]); a tensor-wise scale_a
     folds into the column scales."""
     del interpret

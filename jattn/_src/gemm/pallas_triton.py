@@ -308,7 +308,7 @@ def _launch(pairs: Sequence[tuple[jax.Array, jax.Array]], bias, captures, *,
 
 
 # ------------------------------------------------------------------------------------------------
-# The ops' entry points (gemm/protocols.py GemmBackend)
+# The ops' entry points (gemm/protocols.py: MatmulBackend, MmPlusMmBackend, ScaledBackend)
 # ------------------------------------------------------------------------------------------------
 
 def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures: Sequence[Any],
@@ -316,7 +316,7 @@ def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures:
                    transpose_b: bool = False, epilogue_tile: TracedFunction | None = None,
                    epilogue_full: TracedFunction | None = None, save_preact: bool = False,
                    interpret: bool = False):
-    """GemmBackend.matmul_product: one kernel, or with config.split_k > 1 the kernel's partial
+    """MatmulBackend.matmul_product: one kernel, or with config.split_k > 1 the kernel's partial
     sums added, then the bias and the epilogue (traced at [M, N]) on the whole product."""
     transposes = dict(transpose_a=transpose_a, transpose_b=transpose_b)
     if config.split_k == 1:
@@ -334,7 +334,7 @@ def mm_plus_mm_product(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
                        config: MatmulConfig, out_dtype,
                        epilogue_tile: TracedFunction | None = None, epilogue_full=None,
                        save_preact: bool = False, interpret: bool = False):
-    """GemmBackend.mm_plus_mm_product."""
+    """MmPlusMmBackend.mm_plus_mm_product."""
     del epilogue_full
     return mm_plus_mm(a, b, c, d, bias, captures, config=config, out_dtype=out_dtype,
                       epilogue=epilogue_tile, save_preact=save_preact, interpret=interpret)
@@ -343,6 +343,6 @@ def mm_plus_mm_product(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
 def scaled_product(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
                    bias: jax.Array | None, *, config: MatmulConfig, out_dtype,
                    use_fast_accum: bool = False, interpret: bool = False):
-    """GemmBackend.scaled_product."""
+    """ScaledBackend.scaled_product."""
     return scaled_matmul(a, b, scale_a, scale_b, bias, config=config, out_dtype=out_dtype,
                          use_fast_accum=use_fast_accum, interpret=interpret)

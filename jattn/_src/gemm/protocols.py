@@ -22,8 +22,8 @@ import jax
 from jattn._src.user_functions import TracedFunction
 
 
-class GemmBackend(Protocol):
-    """matmul, bmm, mm_plus_mm and scaled_matmul (one module serves the four)."""
+class MatmulBackend(Protocol):
+    """matmul and bmm, and the products of every GEMM backward."""
 
     def matmul_product(self, a: jax.Array, b: jax.Array, bias: jax.Array | None,
                        captures: Sequence[Any], *, config: Any, out_dtype,
@@ -34,12 +34,20 @@ class GemmBackend(Protocol):
         """op(a) @ op(b) (+ bias) then the epilogue, on 2-D operands: out [M, N] of
         out_dtype, or (out, the float32 values before the epilogue) if save_preact."""
 
+
+class MmPlusMmBackend(Protocol):
+    """mm_plus_mm."""
+
     def mm_plus_mm_product(self, a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
                            bias: jax.Array | None, captures: Sequence[Any], *, config: Any,
                            out_dtype, epilogue_tile: TracedFunction | None,
                            epilogue_full: TracedFunction | None, save_preact: bool,
                            interpret: bool):
         """a @ b + c @ d (+ bias) then the epilogue; returns as matmul_product."""
+
+
+class ScaledBackend(Protocol):
+    """scaled_matmul."""
 
     def scaled_product(self, a: jax.Array, b: jax.Array, scale_a: jax.Array,
                        scale_b: jax.Array, bias: jax.Array | None, *, config: Any, out_dtype,

@@ -38,7 +38,7 @@ def matmul_product(a: jax.Array, b: jax.Array, bias: jax.Array | None, captures:
                    transpose_b: bool = False, epilogue_tile=None,
                    epilogue_full: TracedFunction | None = None, save_preact: bool = False,
                    interpret: bool = False):
-    """GemmBackend.matmul_product; the epilogue traced at [M, N]."""
+    """MatmulBackend.matmul_product; the epilogue traced at [M, N]."""
     del config, epilogue_tile, interpret
     # bf16/f16 products are exact in float32, so upcasting first is the same math, and it also
     # runs where XLA has no mixed-precision batched dot (the CPU backend, under bmm's vmap).
@@ -53,7 +53,7 @@ def mm_plus_mm_product(a: jax.Array, b: jax.Array, c: jax.Array, d: jax.Array,
                        out_dtype, epilogue_tile=None,
                        epilogue_full: TracedFunction | None = None, save_preact: bool = False,
                        interpret: bool = False):
-    """GemmBackend.mm_plus_mm_product; the epilogue traced at [M, N]."""
+    """MmPlusMmBackend.mm_plus_mm_product; the epilogue traced at [M, N]."""
     del config, epilogue_tile, interpret
     acc = sum(jnp.dot(x.astype(jnp.float32), y.astype(jnp.float32),
                       preferred_element_type=jnp.float32) for x, y in ((a, b), (c, d)))
@@ -84,7 +84,7 @@ def b2b_product(a: jax.Array, b: jax.Array, c: jax.Array, captures: Sequence[Any
 def scaled_product(a: jax.Array, b: jax.Array, scale_a: jax.Array, scale_b: jax.Array,
                    bias: jax.Array | None, *, config=None, out_dtype,
                    use_fast_accum: bool = False, interpret: bool = False):
-    """GemmBackend.scaled_product.
+    """ScaledBackend.scaled_product.
 
     fp8 values are exact in float32 and so are their products, so upcasting first is the
     kernel's math (fp32 accumulation; use_fast_accum is a knob of the tensor cores), and runs
