@@ -1,5 +1,6 @@
 """Markers: `gpu` tests run only where JAX sees a CUDA device. The CPU platform has 8 devices
-(forced host devices) for the multi-device tests; single-device tests run on the first."""
+(forced host devices) for the multi-device tests; single-device tests run on the first.
+Fixtures: `as_if_on_hopper`."""
 
 import os
 
@@ -17,6 +18,7 @@ if (not os.path.exists("/dev/nvidiactl")
 
 import pytest
 
+from jattn._src import hardware
 from jattn._src.hardware import has_cuda
 
 
@@ -27,3 +29,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def as_if_on_hopper(monkeypatch):
+    """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
+    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
+    monkeypatch.setattr(hardware, "is_hopper", lambda: True)

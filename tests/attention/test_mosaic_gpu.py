@@ -23,13 +23,6 @@ MOSAIC = "pallas_mosaic_gpu"
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture
-def as_if_on_hopper(monkeypatch):
-    """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
-    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
-    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
-
-
 def _facts(**changes):
     facts = dict(dtype=jnp.bfloat16, head_dim=128, value_dim=128, seq_lengths=(1024, 1024),
                  block_size=(128, 128), unreadable_capture=None)

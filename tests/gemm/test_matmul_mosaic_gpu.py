@@ -25,13 +25,6 @@ MOSAIC = "pallas_mosaic_gpu"
 gpu = pytest.mark.gpu
 
 
-@pytest.fixture
-def as_if_on_hopper(monkeypatch):
-    """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
-    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
-    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
-
-
 def _facts(**changes):
     return {**dict(dtype=jnp.bfloat16, m=1024, n=1024, k=512, epilogue=False, config=None),
             **changes}

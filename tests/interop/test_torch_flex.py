@@ -167,13 +167,11 @@ def test_opcheck():
                            [table.detach()], *static))
 
 
-def test_on_hopper_torch_mods_choose_as_jattn_does(monkeypatch):
+def test_on_hopper_torch_mods_choose_as_jattn_does(as_if_on_hopper):
     """The facts the ops pass on CUDA tensors: mods reading captured tensors one element per
     head (ALiBi slopes) or by position (document ids) keep the Mosaic GPU forward; one reading
     a table by relative position falls back to pallas_triton."""
-    from jattn._src import bridge, hardware
-    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
-    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
+    from jattn._src import bridge
     slopes, doc_ids = torch.linspace(0.1, 1.0, HQ), torch.arange(4096) // 512
     relative = torch.randn(2 * 4096)
 

@@ -196,11 +196,9 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
 ])
-def test_cuda_ops_choose_as_jattn_does_on_hopper(monkeypatch, op, dtype, shapes, chosen):
+def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, op, dtype, shapes, chosen):
     """The torch GEMM ops pass jattn's facts (dtype, M, N, K) to the same default choice."""
-    from jattn._src import bridge, hardware
+    from jattn._src import bridge
 
-    monkeypatch.setattr(hardware, "has_cuda", lambda: True)
-    monkeypatch.setattr(hardware, "is_hopper", lambda: True)
     a, b = (torch.empty(shape, device="meta", dtype=dtype) for shape in shapes)
     assert bridge.resolve(op, None, on_cuda=True, **_gemm_ops._product_facts(a, b)) == chosen
