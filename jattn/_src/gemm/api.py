@@ -227,7 +227,8 @@ def product_for_shape(implementation: Implementation, a, b, out_dtype, **transpo
 
     The products of every GEMM backward; `transposes` are transpose_a / transpose_b. They run
     on matmul's implementation on the call's backend, or where that cannot run this product
-    (a shape the Mosaic kernel does not tile), on matmul's default choice for it.
+    or was measured slower at it (the Mosaic kernel at shapes it does not tile or at small
+    outputs), on matmul's default choice for it.
     """
     config = None
     m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
@@ -235,7 +236,7 @@ def product_for_shape(implementation: Implementation, a, b, out_dtype, **transpo
     n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
     facts = dict(dtype=a.dtype, m=m, n=n, k=k)
     implementation = backends.on_backend_of("matmul", implementation)
-    if implementation.unsupported(**facts) is not None:
+    if (implementation.unsupported(**facts) or implementation.slower(**facts)) is not None:
         implementation = backends.resolve("matmul", **facts)
     if implementation.tunable:
         config = choose_config("matmul", implementation, None, m, n, k, a.dtype)
