@@ -5,7 +5,8 @@ so an overrun is caught.
 
 Lengths and head dims are not tile multiples, heads are grouped (GQA), the decode cache is
 paged, and a GEMM splits K: the tails are where an unmasked access would read or write past
-an end.
+an end. The Mosaic GPU kernels (Hopper) take tile multiples only; they run at the smallest
+shapes their defaults choose them for, with their transposed and fp8 paths.
 """
 
 import functools
@@ -16,12 +17,14 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn._src import hardware
 from jattn._src.attention.reference import attention_reference
 from tests.decoding.test_paged import _cache_like as cache_like
 from tests.helpers import random
 
 pytestmark = pytest.mark.gpu
 GPU = "pallas_triton"
+MOSAIC = "pallas_mosaic_gpu"
 
 
 def _close(got, expected, tolerance=2e-2):
@@ -91,3 +94,42 @@ def test_gemm_family():
     one = jnp.ones((), jnp.float32)
     _close(jattn.scaled_matmul(a8, b8, one, one, implementation=GPU),
            jattn.scaled_matmul(a8, b8, one, one, implementation="xla"))
+
+
+def test_mosaic_gpu_kernels():
+    if not hardware.is_hopper():
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    rng = np.random.default_rng(3)
+    # The GEMM, forward with bias and both backward products (each has 2**21 outputs: Mosaic's).
+    a, b = random(rng, (2048, 1024), jnp.bfloat16), random(rng, (1024, 2048), jnp.bfloat16)
+    bias = random(rng, (2048,))
+
+    def loss(impl, a, b, bias):
+        out = jattn.matmul(a, b, bias=bias, implementation=impl)
+        return out.astype(jnp.float32).sum(), out
+
+    got = jax.grad(functools.partial(loss, MOSAIC), (0, 1), has_aux=True)(a, b, bias)
+    expected = jax.grad(functools.partial(loss, "xla"), (0, 1), has_aux=True)(a, b, bias)
+    for got_leaf, expected_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        _close(got_leaf, expected_leaf, 5e-2)
+    # fp8, row-wise scales, promoted and fast accumulation.
+    a8, b8 = (random(rng, shape, jnp.float8_e4m3fn) for shape in ((256, 512), (512, 384)))
+    scale_a, scale_b = random(rng, (256,)) ** 2, random(rng, (384,)) ** 2
+    for fast in (False, True):
+        scaled = functools.partial(jattn.scaled_matmul, a8, b8, scale_a, scale_b,
+                                   use_fast_accum=fast)
+        _close(scaled(implementation=MOSAIC), scaled(implementation="xla"), 5e-2)
+    # Attention: forward and both backward kernels, a per-head score_mod and a causal mask.
+    q, k, v = (random(rng, (1, 2, 256, 128), jnp.bfloat16) for _ in range(3))
+    head_bias = random(rng, (2,))
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, None, None, 256, 256)
+
+    def attention_loss(impl, q, k, v):
+        out = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + head_bias[h], mask,
+                                   implementation=impl)
+        return out.astype(jnp.float32).sum(), out
+
+    got = jax.grad(functools.partial(attention_loss, MOSAIC), (0, 1, 2), has_aux=True)(q, k, v)
+    expected = jax.grad(functools.partial(attention_loss, GPU), (0, 1, 2), has_aux=True)(q, k, v)
+    for got_leaf, expected_leaf in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        _close(got_leaf, expected_leaf, 5e-2)
