@@ -219,7 +219,10 @@ def register(spec: GemmOp):
 
 
 def _product_facts(a, b, *rest) -> dict:
-    """A matmul's facts: a [..., M, K] times b [K, N]."""
+    """A matmul's facts: a [..., M, K] times b [K, N] (none for other ranks, which jattn's own
+    checks then reject by name)."""
+    if a.dim() < 2 or b.dim() < 2:
+        return {}
     return dict(dtype=DTYPES.get(a.dtype), m=math.prod(a.shape[:-1]), n=b.shape[-1],
                 k=a.shape[-1])
 

@@ -117,6 +117,10 @@ def test_bad_input_raises():
         jt.matmul(a, b.to(torch.bfloat16))
     with pytest.raises(ValueError, match="a \\[8, 16\\] and b \\[12, 4\\]|inner"):
         jt.matmul(a, torch.randn(12, 4))
+    with pytest.raises(ValueError, match="`a` must have rank >= 2"):
+        jt.matmul(torch.ones(()), b)
+    with pytest.raises(ValueError, match="`b`"):
+        jt.matmul(a, torch.ones(16))
 
 
 def _through_jax_only(*args, **kwargs):
