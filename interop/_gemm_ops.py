@@ -219,12 +219,14 @@ def register(spec: GemmOp):
 
 
 def _product_facts(a, b, *rest) -> dict:
-    """A matmul's facts: a [..., M, K] times b [K, N] (none for other ranks, which jattn's own
-    checks then reject by name)."""
+    """A matmul's facts: a [..., M, K] times b [K, N], and its work (2·M·N·K) where
+    pallas_triton's kernel would be launched without JAX (none for other ranks, which
+    jattn's own checks then reject by name)."""
     if a.dim() < 2 or b.dim() < 2:
         return {}
-    return dict(dtype=DTYPES.get(a.dtype), m=math.prod(a.shape[:-1]), n=b.shape[-1],
-                k=a.shape[-1])
+    m, n, k = math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]
+    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k,
+                **bridge.torch_eager_facts(2 * m * n * k))
 
 
 def _matmul_fake(a, b, *rest):  # matmul and mm_plus_mm: a [..., M, K] times b [K, N]

@@ -200,9 +200,19 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
 ])
-def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, op, dtype, shapes, chosen):
-    """The torch GEMM ops pass jattn's facts (dtype, M, N, K) to the same default choice."""
+@pytest.mark.parametrize("launches_triton", [False, True])
+def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, monkeypatch, op, dtype,
+                                                 shapes, chosen, launches_triton):
+    """The torch GEMM ops pass jattn's facts (dtype, M, N, K) to the same default choice; where
+    the op would launch pallas_triton's kernel itself (the `triton` package present), that
+    kernel stays the choice below 4·10^12 FLOPs of work (host time saved)."""
     from jattn._src import bridge
 
+    monkeypatch.setattr(bridge, "triton_compiler_available", lambda: launches_triton)
     a, b = (torch.empty(shape, device="meta", dtype=dtype) for shape in shapes)
-    assert bridge.resolve(op, None, on_cuda=True, **_gemm_ops._product_facts(a, b)) == chosen
+    expected = "pallas_triton" if launches_triton else chosen
+    assert bridge.resolve(op, None, on_cuda=True, **_gemm_ops._product_facts(a, b)) == expected
+    large = [torch.empty(shape, device="meta", dtype=dtype) for shape in ((16384, 8192),
+                                                                           (8192, 16384))]
+    assert bridge.resolve(op, None, on_cuda=True,
+                          **_gemm_ops._product_facts(*large)) == "pallas_mosaic_gpu"

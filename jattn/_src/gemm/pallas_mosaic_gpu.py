@@ -73,13 +73,21 @@ def unsupported(*, dtype=None, m=None, n=None, k=None, epilogue=False, config=No
 # Below this output size (M·N) the 128 x 256 tiles occupy fewer than half of an H100's SMs;
 # pallas_triton's smaller tiles ran 1.6x faster at 1024^3 and at M=128, N=K=8192 (H100, bf16).
 _SMALL_OUTPUT = 2**21
+# A torch op call launches pallas_triton's kernel without JAX's dispatch, saving 0.3-0.6 ms of
+# host time (measured for flex_attention's forward); this kernel saves at most ~10% of the
+# Triton kernel's GPU time (4% at 4096^3 and 8192^3), which repays that only from ~4·10^12
+# FLOPs (an estimate from those two measurements, beyond 8192^3).
+TORCH_EAGER_MIN_WORK = 4 * 10**12
 
 
-def slower(*, m=None, n=None, **facts) -> str | None:
+def slower(*, m=None, n=None, torch_eager_work=None, **facts) -> str | None:
     """Why the default choice passes this kernel over for a call it supports (measured)."""
     if m is not None and m * n < _SMALL_OUTPUT:
         return (f"an output of M x N = {m} x {n} fills too few SMs with its tiles "
                 "(pallas_triton's ran 1.6x faster below 2**21 outputs).")
+    if torch_eager_work is not None and torch_eager_work < TORCH_EAGER_MIN_WORK:
+        return ("a torch op call launches pallas_triton's kernel without JAX's dispatch, which "
+                "saves more host time than this kernel saves GPU time below 4·10^12 FLOPs.")
     return None
 
 
