@@ -130,7 +130,7 @@ def register(spec: GemmOp):
         if dtype_options:
             options = tuple(_jax_option(spec.name, k, v) for k, v in zip(option_names, options))
         precision = float32_precision(args[0].dtype) if takes_precision else None
-        facts = spec.facts(*args[:n])
+        facts = spec.facts(*args[:n]) if device.type == "cuda" else {}  # (CPU: xla decides)
         return options, implementation_for(spec.name, device, args[-1], **facts), precision
 
     @functools.lru_cache(maxsize=64)
