@@ -37,6 +37,7 @@ import jattn
 from jattn._src import backends
 from jattn._src.gemm.reference import mixed_matmul_reference
 from benchmarks import record
+from benchmarks.bench_matmul import kernel_backends
 from benchmarks.timing import first_call_seconds, input_copies, time_jax, time_torch, warm_up
 
 # (name, M, N, K1, K2)
@@ -46,8 +47,6 @@ MM_PLUS_MM = [("mm+mm M=N=8192 K=128+128", 8192, 8192, 128, 128),
 B2B = [("b2b left M=8192 K=N=128 P=8192", "left", 8192, 128, 8192, 128),
        ("b2b right M=128 K=128 P=8192 N=8192", "right", 128, 128, 8192, 8192)]
 # (name, M, N, K, scale mode, use_fast_accum on both sides)
-# The other kernel backends scaled_matmul is timed on beside its default ("jattn").
-SCALED_KERNELS = ("pallas_triton", "pallas_mosaic_gpu")
 SCALED = [("fp8 8192^3 tensor-wise", 8192, 8192, 8192, "tensor", False),
           ("fp8 8192^3 row-wise", 8192, 8192, 8192, "row", False),
           ("fp8 8192^3 tensor-wise fast accum", 8192, 8192, 8192, "tensor", True)]
@@ -131,15 +130,6 @@ def _scale_values(rng, m: int, n: int, mode: str):
     return [np.asarray(rng.uniform(0.5, 2.0, shape), np.float32) for shape in shapes]
 
 
-def _runs(op: str, implementation: str, facts: dict) -> bool:
-    """Whether `implementation` of `op` runs a call with these facts on this machine."""
-    try:
-        backends.resolve(op, implementation, **facts)
-    except ValueError:
-        return False
-    return True
-
-
 def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), np.float32)
@@ -155,8 +145,8 @@ def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
              jnp.asarray(scale_b)] for f in factors]
     facts = dict(dtype=fp8, m=m, n=n, k=k)
     default = backends.resolve("scaled_matmul", **facts).name
-    kernels = [default] + [name for name in SCALED_KERNELS
-                           if name != default and _runs("scaled_matmul", name, facts)]
+    kernels = [default] + [name for name in kernel_backends("scaled_matmul", facts)
+                           if name != default]
 
     def ours_on(implementation):
         return jax.jit(lambda a, b_nk, sa, sb: jattn.scaled_matmul(

@@ -45,6 +45,18 @@ def _torch_sets(jax_sets):
 KERNELS = ("pallas_triton", "pallas_mosaic_gpu")
 
 
+def kernel_backends(op: str, facts: dict) -> list[str]:
+    """The KERNELS that run an `op` call with these facts on this machine."""
+    runs = []
+    for name in KERNELS:
+        try:
+            backends.resolve(op, name, **facts)
+        except ValueError:
+            continue
+        runs.append(name)
+    return runs
+
+
 def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool) -> dict:
     import torch
 
@@ -56,8 +68,7 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool)
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
     facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue)
     default = backends.resolve("matmul", **facts).name
-    kernels = [name for name in KERNELS if backends.implementations("matmul")[name].unsupported(
-        **facts) is None]
+    kernels = kernel_backends("matmul", facts)
     configs = {name: choose_config("matmul", backends.resolve("matmul", name),
                                    "autotune" if tune else None, m, n, k, jnp.bfloat16)
                for name in kernels}

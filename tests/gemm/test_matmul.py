@@ -24,6 +24,7 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 def _check_matmul(impl, a, b, *, config=SMALL, **kwargs):
     out = jax.jit(functools.partial(jattn.matmul, config=config, implementation=impl,
                                     **kwargs))(a, b)
+    assert out.dtype == (kwargs.get("out_dtype") or a.dtype)
     ref_kwargs = {k: v for k, v in kwargs.items() if k != "bias"}
     reference = lambda a, b, bias: matmul_reference(a, b, bias=bias, **ref_kwargs)
     args = (a, b, kwargs.get("bias"))

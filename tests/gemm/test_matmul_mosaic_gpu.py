@@ -18,6 +18,7 @@ import jattn
 from jattn._src import backends, hardware
 from jattn._src.gemm.config import heuristic_mosaic_config, mosaic_search_space
 from jattn._src.gemm.reference import matmul_reference, scaled_matmul_reference
+from tests.gemm.test_matmul import _check_matmul
 from tests.helpers import (assert_bitwise_equal_runs, assert_close, assert_gradients_close,
                            golden, low_precision, lower_for_cuda, random)
 
@@ -196,16 +197,6 @@ def test_explain_names_the_choice_and_the_fallback(as_if_on_hopper):
 # On the GPU
 # ------------------------------------------------------------------------------------------------
 
-def _check(a, b, bias=None, **kwargs):
-    fn = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC, **kwargs))
-    out = fn(a, b, bias=bias)
-    reference = functools.partial(matmul_reference, out_dtype=kwargs.get("out_dtype"))
-    call = lambda a, b, c: reference(a, b, bias=c)
-    assert out.dtype == kwargs.get("out_dtype", a.dtype)
-    assert_close(out, golden(call, a, b, bias), low_precision(call, a, b, bias))
-    return out
-
-
 @gpu
 @pytest.mark.parametrize("m,n,k,dtype", [
     (1024, 2048, 512, jnp.bfloat16),    # 128 x 256 tiles, more tiles than SMs
@@ -215,7 +206,7 @@ def _check(a, b, bias=None, **kwargs):
 def test_default_configs_match_golden(m, n, k, dtype):
     rng = np.random.default_rng(m + n + k)
     a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
-    _check(a, b, random(rng, (n,), jnp.float32))
+    _check_matmul(MOSAIC, a, b, config=None, bias=random(rng, (n,), jnp.float32))
 
 
 @gpu
@@ -228,7 +219,7 @@ def test_default_configs_match_golden(m, n, k, dtype):
 def test_tile_shapes_and_orders_match_golden(config):
     rng = np.random.default_rng(config.group)
     a, b = random(rng, (1536, 768), jnp.bfloat16), random(rng, (768, 2560), jnp.bfloat16)
-    _check(a, b, config=config)
+    _check_matmul(MOSAIC, a, b, config=config)
 
 
 @gpu
@@ -240,7 +231,7 @@ def test_float32_output_is_the_accumulator_and_repeatable():
     rng = np.random.default_rng(5)
     a, b = random(rng, (512, 4096), jnp.bfloat16), random(rng, (4096, 1024), jnp.bfloat16)
     run = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC, out_dtype=jnp.float32))
-    wide, narrow = run(a, b), _check(a, b)
+    wide, narrow = run(a, b), _check_matmul(MOSAIC, a, b, config=None)
     assert wide.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(wide.astype(jnp.bfloat16).astype(jnp.float32)),
                                   np.asarray(narrow.astype(jnp.float32)))

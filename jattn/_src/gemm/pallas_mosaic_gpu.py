@@ -223,8 +223,8 @@ def matmul(a: jax.Array, b: jax.Array, *, config: MosaicMatmulConfig, out_dtype,
     """
     m, k = a.shape[::-1] if transpose_a else a.shape
     n = b.shape[0] if transpose_b else b.shape[1]
-    if promote and config.block_m * config.block_n // CONSUMERS > MOSAIC_PROMOTED_VALUES:
-        rows, cols = config.warpgroup_tile
+    rows, cols = config.warpgroup_tile
+    if promote and rows * cols > MOSAIC_PROMOTED_VALUES:
         raise ValueError(
             f"promoted accumulation needs a second accumulator: a consumer's [{rows}, {cols}] "
             f"tile must hold at most {MOSAIC_PROMOTED_VALUES} values (e.g. "
