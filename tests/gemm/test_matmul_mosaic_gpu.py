@@ -67,8 +67,9 @@ def test_it_needs_a_hopper_gpu(monkeypatch):
     (dict(m=1000), "pallas_triton"),          # ragged
     (dict(epilogue=True), "pallas_triton"),   # fused epilogue
     (dict(m=16, n=8192, k=8192), "pallas_triton"),  # skinny: not a tile of rows
-    (dict(m=128, n=8192, k=8192), "pallas_triton"),  # measured slower: few tiles
-    (dict(m=1024, n=1024, k=1024), "pallas_triton"),
+    (dict(m=128, n=8192, k=8192), "pallas_triton"),  # skinny: measured as fast
+    (dict(m=1024, n=1024, k=1024), MOSAIC),           # small tiles
+    (dict(m=512, n=1024, k=1024), "pallas_triton"),   # fewer outputs than measured
     (dict(m=2048, n=1024, k=1024), MOSAIC),
 ])
 def test_hopper_default(as_if_on_hopper, facts, chosen):
@@ -92,8 +93,11 @@ def test_invalid_configs_raise(kwargs, message):
 
 @pytest.mark.parametrize("m,n,dtype,expected", [
     (4096, 4096, jnp.bfloat16, (128, 256, 64, "n", 4)),
-    (256, 384, jnp.float16, (256, 128, 64, "m", 4)),
-    (384, 384, jnp.bfloat16, (128, 128, 64, "n", 4)),
+    (2048, 2048, jnp.bfloat16, (128, 256, 64, "n", 4)),   # 128 tiles: enough for the SMs
+    (8192, 640, jnp.float16, (256, 128, 64, "m", 4)),      # N not a multiple of 256
+    (512, 4096, jnp.float16, (128, 128, 64, "m", 6)),     # 128 x 256 would give 64 tiles
+    (1024, 1024, jnp.bfloat16, (128, 64, 64, "m", 8)),    # 128 tiles
+    (384, 384, jnp.bfloat16, (128, 64, 64, "m", 8)),      # too few for any: the most
     (4096, 4096, jnp.float8_e4m3fn, (128, 128, 128, "m", 4)),  # room to promote fp8 sums
     (4096, 4096, "fast fp8", (128, 256, 128, "n", 4)),
 ])
@@ -151,6 +155,8 @@ def test_backward_products_it_is_slower_at_run_on_the_default(as_if_on_hopper):
     jattn.MosaicMatmulConfig(block_m=256, block_n=128, split="m", minor="m", group=4),
     jattn.MosaicMatmulConfig(block_m=128, block_n=128, num_stages=5),
     jattn.MosaicMatmulConfig(block_m=128, block_n=128, split="m"),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=64, split="m", num_stages=8),
+    jattn.MosaicMatmulConfig(block_m=64, block_n=128, split="n", num_stages=6),
 ])
 def test_configs_and_float32_output_lower(as_if_on_hopper, config):
     fn = functools.partial(jattn.matmul, implementation=MOSAIC, config=config,
@@ -199,9 +205,10 @@ def test_explain_names_the_choice_and_the_fallback(as_if_on_hopper):
 
 @gpu
 @pytest.mark.parametrize("m,n,k,dtype", [
-    (1024, 2048, 512, jnp.bfloat16),    # 128 x 256 tiles, more tiles than SMs
-    (256, 384, 192, jnp.float16),       # 256 x 128 tiles
-    (384, 640, 1024, jnp.bfloat16),     # 128 x 128 tiles, fewer tiles than SMs
+    (2048, 2048, 512, jnp.bfloat16),    # 128 x 256 tiles, 128 of them
+    (1024, 2048, 512, jnp.bfloat16),    # 128 x 128 tiles, 6 stages
+    (256, 384, 192, jnp.float16),       # 128 x 64 tiles, 3 stages (one per K step)
+    (384, 640, 1024, jnp.bfloat16),     # 128 x 64 tiles, 8 stages, fewer tiles than SMs
 ])
 def test_default_configs_match_golden(m, n, k, dtype):
     rng = np.random.default_rng(m + n + k)
@@ -215,6 +222,8 @@ def test_default_configs_match_golden(m, n, k, dtype):
     jattn.MosaicMatmulConfig(block_m=128, block_n=128, split="m", num_stages=5, group=16),
     jattn.MosaicMatmulConfig(block_m=128, block_n=256, num_stages=3, minor="m", group=3),
     jattn.MosaicMatmulConfig(block_m=128, block_n=128, minor="n", group=1),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=64, split="m", num_stages=6),
+    jattn.MosaicMatmulConfig(block_m=64, block_n=128, split="n", minor="m"),
 ])
 def test_tile_shapes_and_orders_match_golden(config):
     rng = np.random.default_rng(config.group)
@@ -268,12 +277,13 @@ def test_default_choice_on_hopper_runs_it():
 @gpu
 @pytest.mark.parametrize("m,n,k,dtype,mode", [
     (1024, 1024, 1024, jnp.float8_e4m3fn, "tensor"),
-    (256, 384, 512, jnp.float8_e5m2, "row"),    # fast accumulation: 256 x 128 tiles
-    (2048, 1024, 4096, jnp.float8_e4m3fn, "row"),
+    (256, 384, 512, jnp.float8_e5m2, "row"),    # fast accumulation: 128 x 64 tiles
+    (2048, 2048, 2048, jnp.float8_e4m3fn, "row"),
 ])
 @pytest.mark.parametrize("fast", [False, True])
 def test_scaled_matmul_matches_golden(m, n, k, dtype, mode, fast):
-    """Promoted: 128 x 128 tiles; fast accumulation: the wide tiles (128 x 256 here)."""
+    """Promoted: 128 x 128 tiles; fast accumulation: the wide tiles at 2048^2 (128 x 256),
+    the smallest at 1024^2 and below (128 x 64)."""
     rng = np.random.default_rng(m + k)
     a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
     if mode == "tensor":
