@@ -1,10 +1,11 @@
-"""The Mosaic GPU GEMM (implementation="pallas_mosaic_gpu"): matmul and scaled_matmul.
+"""The Mosaic GPU GEMM (implementation="pallas_mosaic_gpu"): matmul, bmm and scaled_matmul.
 
 On the CPU: the registry's reasons for the calls the kernel cannot run, the default choice, the
-config's validation, and the kernel lowered for CUDA (forward, backward, float32 output, fp8
-with either accumulation). The Mosaic GPU interpreter cannot run it (no wgmma), so its
-numerics are checked on the GPU against a float64 golden: tile shapes and orders, bias,
-float16, float32 output, gradients, fp8 scales (scaled_matmul's own tests hold the rest).
+config's validation, and the kernel lowered for CUDA (forward, backward, batches, float32
+output, fp8 with either accumulation). The Mosaic GPU interpreter cannot run it (no wgmma), so
+its numerics are checked on the GPU against a float64 golden: tile shapes and orders, bias,
+float16, float32 output, gradients, batches, fp8 scales (scaled_matmul's own tests hold the
+rest).
 """
 
 import functools
@@ -166,6 +167,34 @@ def test_configs_and_float32_output_lower(as_if_on_hopper, config):
     assert "mosaic_gpu" in text
 
 
+def _launches(text):
+    return text.count("custom_call @mosaic_gpu")
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((4, 1024, 1024), (4, 1024, 1024)),
+    ((4, 1024, 1024), (1, 1024, 1024)),   # b shared by the batch, not copied
+    ((2, 1, 1024, 1024), (3, 1024, 1024)),
+])
+def test_bmm_is_one_launch_forward_and_one_per_backward_product(as_if_on_hopper, a_shape,
+                                                                   b_shape):
+    fn = functools.partial(jattn.bmm, implementation=MOSAIC)
+    loss = lambda a, b: fn(a, b).astype(jnp.float32).sum()
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), _spec(*a_shape),
+                          _spec(*b_shape))
+    assert _launches(text) == 3 and "gpu.triton" not in text and "stablehlo.while" not in text
+
+
+def test_vmap_of_matmul_is_one_launch(as_if_on_hopper):
+    """Nested vmaps fold into one batch; per-matrix biases take a launch per matrix."""
+    fn = functools.partial(jattn.matmul, implementation=MOSAIC)
+    nested = jax.vmap(jax.vmap(fn, in_axes=(0, None)), in_axes=(None, 0))
+    assert _launches(lower_for_cuda(nested, _spec(3, 256, 128), _spec(2, 128, 256))) == 1
+    per_bias = jax.vmap(lambda a, c: fn(a, a.T, bias=c))
+    text = lower_for_cuda(per_bias, _spec(3, 256, 256), _spec(3, 256, dtype=jnp.float32))
+    assert _launches(text) == 1 and "stablehlo.while" in text
+
+
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("row_wise", [False, True])
 def test_scaled_matmul_lowers(as_if_on_hopper, fast, row_wise):
@@ -214,6 +243,33 @@ def test_default_configs_match_golden(m, n, k, dtype):
     rng = np.random.default_rng(m + n + k)
     a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
     _check_matmul(MOSAIC, a, b, config=None, bias=random(rng, (n,), jnp.float32))
+
+
+@gpu
+@pytest.mark.parametrize("a_shape, b_shape", [
+    ((3, 512, 256), (3, 256, 384)),         # 128 x 128 tiles, 12 a matrix
+    ((2, 1, 1024, 256), (3, 256, 1024)),    # broadcast batch dims; b shared along the first
+])
+def test_bmm_matches_golden_with_gradients(a_shape, b_shape):
+    rng = np.random.default_rng(len(a_shape))
+    a, b = random(rng, a_shape, jnp.bfloat16), random(rng, b_shape, jnp.bfloat16)
+    ours = functools.partial(jattn.bmm, implementation=MOSAIC)
+    out = jax.jit(ours)(a, b)
+    assert_close(out, golden(matmul_reference, a, b), low_precision(matmul_reference, a, b))
+    cotangent = random(rng, out.shape, jnp.bfloat16)
+    assert_gradients_close(ours, matmul_reference, (a, b), cotangent, ("a", "b"))
+
+
+@gpu
+def test_vmap_of_matmul_equals_each_matrix_alone():
+    rng = np.random.default_rng(12)
+    a, b = random(rng, (4, 256, 512), jnp.bfloat16), random(rng, (2, 512, 256), jnp.bfloat16)
+    bias = random(rng, (4, 256), jnp.float32)
+    fn = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC))
+    nested = jax.jit(jax.vmap(jax.vmap(fn, in_axes=(0, None, 0)), in_axes=(None, 0, None)))
+    out = nested(a, b, bias)
+    for i, j in np.ndindex(2, 4):
+        np.testing.assert_array_equal(out[i, j], fn(a[j], b[i], bias[j]))
 
 
 @gpu

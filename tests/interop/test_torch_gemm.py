@@ -196,7 +196,7 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
 @pytest.mark.parametrize("op, dtype, shapes, chosen", [
     ("matmul", torch.bfloat16, ((4, 512, 256), (256, 1024)), "pallas_mosaic_gpu"),
     ("matmul", torch.bfloat16, ((1000, 256), (256, 512)), "pallas_triton"),  # ragged M
-    ("matmul", torch.bfloat16, ((1024, 256), (256, 1024)), "pallas_triton"),  # measured slower
+    ("matmul", torch.bfloat16, ((512, 256), (256, 1024)), "pallas_triton"),  # few outputs
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
 ])

@@ -36,14 +36,14 @@ def _triton_unsupported(*, config=None, **facts) -> str | None:
     return None
 
 
-# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles); matmul and
+# The GEMM family: XLA's dot, or jattn's Pallas kernels (MatmulConfig tiles); matmul, bmm and
 # scaled_matmul also on Mosaic GPU (MosaicMatmulConfig tiles). The backward products run
 # matmul's implementation.
 for _op in ("matmul", "bmm", "mm_plus_mm", "scaled_matmul"):
     backends.register_xla_and_kernels(_op, xla, pallas_triton, config_class=MatmulConfig,
                                       heuristic=heuristic_config, search_space=search_space,
                                       unsupported=_triton_unsupported)
-for _op in ("matmul", "scaled_matmul"):
+for _op in ("matmul", "bmm", "scaled_matmul"):
     backends.register(Implementation(
         _op, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu,
         unsupported=pallas_mosaic_gpu.unsupported, slower=pallas_mosaic_gpu.slower,

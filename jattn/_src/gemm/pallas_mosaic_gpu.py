@@ -105,6 +105,8 @@ VECTORS = ("row_scale", "col_scale", "bias")
 def _kernel(a_ref, b_ref, *refs, config: MosaicMatmulConfig, tiles: tuple[int, int],
             k_steps: int, transpose_a: bool, transpose_b: bool, vectors: tuple[str, ...],
             promote: bool):
+    """Over a batch: a_ref [batch or 1, ...], b_ref likewise, out_ref [batch, M, N]; an operand
+    of batch 1 is shared by every matrix."""
     vector_refs = dict(zip(vectors, refs))
     out_ref = refs[-1]
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -147,8 +149,9 @@ def _kernel(a_ref, b_ref, *refs, config: MosaicMatmulConfig, tiles: tuple[int, i
 
         return acc + pl.run_scoped(partial, plgpu.ACC((rows, cols), jnp.float32))
 
-    def store(acc, out_m0, out_n0, out_smem):
-        """Scales, bias, rounding, then the TMA stores of a consumer's [rows, cols]."""
+    def store(acc, out_mat, out_m0, out_n0, out_smem):
+        """Scales, bias, rounding, then the TMA stores of a consumer's [rows, cols] into
+        out_mat."""
         if "row_scale" in vectors:
             scale = load_vector(vector_refs["row_scale"].at[pl.ds(out_m0, rows)], ROW)
             acc = acc * lax.broadcast_in_dim(scale, acc.shape, [0])
@@ -167,34 +170,39 @@ def _kernel(a_ref, b_ref, *refs, config: MosaicMatmulConfig, tiles: tuple[int, i
             slot[...] = out[i * epi_rows:(i + 1) * epi_rows, j * epi_cols:(j + 1) * epi_cols]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
-                slot, out_ref.at[pl.ds(out_m0 + i * epi_rows, epi_rows),
+                slot, out_mat.at[pl.ds(out_m0 + i * epi_rows, epi_rows),
                                  pl.ds(out_n0 + j * epi_cols, epi_cols)])
 
     def body(pipeline_allocations, out_smem):
         minor = 0 if config.minor == "m" else 1
+        per_matrix = tiles[0] * tiles[1]
 
-        @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="programs")
+        # Matrix by matrix, each one's tiles in the snaking band order.
+        @plgpu.nd_loop((out_ref.shape[0] * per_matrix,), collective_axes="programs")
         def _tile(loop):
             (index,) = loop.index
+            matrix, index = lax.div(index, per_matrix), lax.rem(index, per_matrix)
             tile_m, tile_n = plgpu.planar_snake(index, tiles, minor, config.group)
             m0, n0 = tile_m * bm, tile_n * bn
-            a_panel = (a_ref.at[:, pl.ds(m0, bm)] if transpose_a
-                       else a_ref.at[pl.ds(m0, bm), :])
-            b_panel = (b_ref.at[pl.ds(n0, bn), :] if transpose_b
-                       else b_ref.at[:, pl.ds(n0, bn)])
+            a_mat = a_ref.at[matrix if a_ref.shape[0] > 1 else 0]
+            b_mat = b_ref.at[matrix if b_ref.shape[0] > 1 else 0]
+            a_panel = (a_mat.at[:, pl.ds(m0, bm)] if transpose_a
+                       else a_mat.at[pl.ds(m0, bm), :])
+            b_panel = (b_mat.at[pl.ds(n0, bn), :] if transpose_b
+                       else b_mat.at[:, pl.ds(n0, bn)])
             out_m0 = m0 + (wg * rows if config.split == "m" else 0)
             out_n0 = n0 + (wg * cols if config.split == "n" else 0)
 
             def context(run):
                 if promote:
                     zeros = jnp.zeros((rows, cols), jnp.float32)
-                    store(run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)), out_m0, out_n0,
-                          out_smem)
+                    store(run(plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)), out_ref.at[matrix],
+                          out_m0, out_n0, out_smem)
                     return
 
                 def accumulate(acc_ref):
                     run(acc_ref)
-                    store(acc_ref[...], out_m0, out_n0, out_smem)
+                    store(acc_ref[...], out_ref.at[matrix], out_m0, out_n0, out_smem)
 
                 pl.run_scoped(accumulate, plgpu.ACC((rows, cols), jnp.float32))
 
@@ -207,7 +215,7 @@ def _kernel(a_ref, b_ref, *refs, config: MosaicMatmulConfig, tiles: tuple[int, i
     ignore = lambda *args, **kwargs: None  # the allocations depend on the specs alone
     pl.run_scoped(
         body,
-        pipeline(ignore, ignore).get_allocations(a_ref, b_ref),
+        pipeline(ignore, ignore).get_allocations(a_ref.at[0], b_ref.at[0]),
         plgpu.SMEM((CONSUMERS, 2, epi_rows, epi_cols), out_ref.dtype,
                    transforms=out_transforms),
         collective_axes="wg",
@@ -225,10 +233,9 @@ def matmul(a: jax.Array, b: jax.Array, *, config: MosaicMatmulConfig, out_dtype,
     (fp8: transpose_b, transpose_a False); row_scale [M], col_scale and bias [N], any float
     dtype (None: left out). promote: each K-step's partial sums go to a second accumulator
     (fp8's precise accumulation). M and N must be multiples of config's tile and K of its
-    K-step (`unsupported`).
+    K-step (`unsupported`). Under jax.vmap the matrices of a batch run in one launch, its
+    programs walking every matrix's tiles (an operand the vmap does not batch is shared).
     """
-    m, k = a.shape[::-1] if transpose_a else a.shape
-    n = b.shape[0] if transpose_b else b.shape[1]
     rows, cols = config.warpgroup_tile
     if promote and rows * cols > MOSAIC_PROMOTED_VALUES:
         raise ValueError(
@@ -236,23 +243,61 @@ def matmul(a: jax.Array, b: jax.Array, *, config: MosaicMatmulConfig, out_dtype,
             f"tile must hold at most {MOSAIC_PROMOTED_VALUES} values (e.g. "
             "MosaicMatmulConfig(block_m=128, block_n=128, block_k=128, split='m')), or pass "
             "use_fast_accum=True.")
-    tiles = (m // config.block_m, n // config.block_n)
     given = dict(row_scale=row_scale, col_scale=col_scale, bias=bias)
     vectors = tuple(name for name in VECTORS if given[name] is not None)
-    kernel = functools.partial(_kernel, config=config, tiles=tiles,
-                               k_steps=k // config.block_k, transpose_a=transpose_a,
-                               transpose_b=transpose_b, vectors=vectors, promote=promote)
-    operands, axes = kernel_operands(a, b, *(given[name].astype(jnp.float32)
-                                             for name in vectors))
-    out = plgpu.kernel(
-        kernel,
-        out_type=out_struct((m, n), out_dtype, operands[0]),
-        grid=(min(hardware.num_sms(), tiles[0] * tiles[1]),),
-        grid_names=("programs",),
-        num_threads=CONSUMERS + 1,
-        thread_name="wg",
-    )(*operands)
-    return kernel_results(out, axes)
+    launch = _batched_launch(config, jnp.dtype(out_dtype), transpose_a, transpose_b, vectors,
+                             promote)
+    return launch(a[None], b[None], *(given[name] for name in vectors))[0]
+
+
+@functools.cache
+def _batched_launch(config: MosaicMatmulConfig, out_dtype, transpose_a: bool, transpose_b: bool,
+                    vectors: tuple[str, ...], promote: bool):
+    """The kernel over a batch of matrices: a [batch or 1, ...] and b [batch or 1, ...] to
+    [batch, M, N], with a vmap rule that folds the vmapped axis into the batch."""
+
+    @jax.custom_batching.custom_vmap
+    def launch(a, b, *vector_values):
+        m, k = a.shape[:0:-1] if transpose_a else a.shape[1:]
+        n = b.shape[1] if transpose_b else b.shape[2]
+        batch = max(a.shape[0], b.shape[0])
+        tiles = (m // config.block_m, n // config.block_n)
+        kernel = functools.partial(_kernel, config=config, tiles=tiles,
+                                   k_steps=k // config.block_k, transpose_a=transpose_a,
+                                   transpose_b=transpose_b, vectors=vectors, promote=promote)
+        operands, axes = kernel_operands(a, b, *(x.astype(jnp.float32) for x in vector_values))
+        out = plgpu.kernel(
+            kernel,
+            out_type=out_struct((batch, m, n), out_dtype, operands[0]),
+            grid=(min(hardware.num_sms(), batch * tiles[0] * tiles[1]),),
+            grid_names=("programs",),
+            num_threads=CONSUMERS + 1,
+            thread_name="wg",
+        )(*operands)
+        return kernel_results(out, axes)
+
+    @launch.def_vmap
+    def _vmapped(size, in_batched, a, b, *vector_values):
+        if any(in_batched[2:]):  # per-instance scales or bias: one launch per instance
+            args = [x if batched else jnp.broadcast_to(x, (size,) + x.shape)
+                    for x, batched in zip((a, b, *vector_values), in_batched)]
+            return lax.map(lambda xs: launch(*xs), tuple(args)), True
+        batch = max(x.shape[int(batched)] for x, batched in zip((a, b), in_batched))
+        a, b = (_folded(x, batched, size, batch) for x, batched in zip((a, b), in_batched[:2]))
+        out = launch(a, b, *vector_values)
+        return out.reshape((size, batch) + out.shape[1:]), True
+
+    return launch
+
+
+def _folded(x: jax.Array, batched: bool, size: int, batch: int) -> jax.Array:
+    """An operand [batch or 1, ...] (vmapped: [size, batch or 1, ...]) as one of a batch of
+    size · batch matrices: [size · batch, ...], or [1, ...] where every matrix shares it
+    (copied only where it is shared along one of the two axes but not the other)."""
+    if not batched and x.shape[0] == 1:
+        return x
+    x = jnp.broadcast_to(x if batched else x[None], (size, batch) + x.shape[1 + batched:])
+    return x.reshape((size * batch,) + x.shape[2:])
 
 
 # ------------------------------------------------------------------------------------------------
