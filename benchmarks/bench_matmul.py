@@ -1,9 +1,10 @@
-"""GEMM throughput on the GPU: jattn.matmul on each kernel backend that runs the shape
-(pallas_triton, pallas_mosaic_gpu) against jnp.dot (XLA) and torch.mm, same run.
+"""GEMM throughput on the GPU: jattn.matmul (and jattn.bmm) on each kernel backend that runs the
+shape (pallas_triton, pallas_mosaic_gpu) against jnp.dot / jnp.matmul (XLA) and torch.mm /
+torch.bmm, same run.
 
     python -m benchmarks.bench_matmul [--tune] [--json results.json]
 
-FLOP model: 2·M·N·K per product. bf16 inputs and outputs, fp32 accumulation on every side.
+FLOP model: 2·M·N·K per product (times the batch for bmm). bf16 inputs and outputs, fp32 accumulation on every side.
 The epilogue case compares matmul+bias+gelu(tanh) in one kernel with XLA's fused jnp version
 and torch's addmm + gelu.
 """
@@ -57,19 +58,23 @@ def kernel_backends(op: str, facts: dict) -> list[str]:
     return runs
 
 
-def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool) -> dict:
+def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool,
+               batch: int | None = None) -> dict:
+    """batch: jattn.bmm of `batch` [m, k] @ [k, n] products (None: one jattn.matmul)."""
     import torch
 
     rng = np.random.default_rng(0)
-    copies = input_copies(2 * (m * k + k * n + m * n))
+    lead = () if batch is None else (batch,)
+    op = "matmul" if batch is None else "bmm"
+    copies = input_copies(2 * (batch or 1) * (m * k + k * n + m * n))
     base = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
-            for shape in ((m, k), (k, n), (n,))]
+            for shape in (lead + (m, k), lead + (k, n), (n,))]
     # Distinct copies (scaled) so that no two calls see the same inputs.
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
     facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue)
-    default = backends.resolve("matmul", **facts).name
-    kernels = kernel_backends("matmul", facts)
-    configs = {name: choose_config("matmul", backends.resolve("matmul", name),
+    default = backends.resolve(op, **facts).name
+    kernels = kernel_backends(op, facts)
+    configs = {name: choose_config(op, backends.resolve(op, name),
                                    "autotune" if tune else None, m, n, k, jnp.bfloat16)
                for name in kernels}
     if epilogue:
@@ -80,18 +85,18 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool)
                                                                approximate="tanh")
     else:
         sets = [s[:2] for s in sets]
-        ours = {name: jax.jit(functools.partial(jattn.matmul, config=configs[name],
+        ours = {name: jax.jit(functools.partial(getattr(jattn, op), config=configs[name],
                                                 implementation=name)) for name in kernels}
-        xla = jax.jit(jnp.dot)
-        torch_fn = torch.mm
+        xla = jax.jit(jnp.matmul)
+        torch_fn = torch.mm if batch is None else torch.bmm
     compile_s = {name: first_call_seconds(fn, *sets[0]) for name, fn in ours.items()}
     expected = xla(*sets[0]).astype(jnp.float32)
     err = {name: float(jnp.abs(fn(*sets[0]).astype(jnp.float32) - expected).max())
            for name, fn in ours.items()}
     seconds = {name: time_jax(fn, sets) for name, fn in ours.items()}
     seconds |= {"xla": time_jax(xla, sets), "torch": time_torch(torch_fn, _torch_sets(sets))}
-    tflops = {key: 2 * m * n * k / t / 1e12 for key, t in seconds.items()}
-    return {"case": name, "m": m, "n": n, "k": k, "default": default,
+    tflops = {key: 2 * (batch or 1) * m * n * k / t / 1e12 for key, t in seconds.items()}
+    return {"case": name, "batch": batch, "m": m, "n": n, "k": k, "default": default,
             "configs": {name: c.__dict__ for name, c in configs.items()},
             "first_call_s": compile_s, "max_abs_diff_vs_xla": err, "tflops": tflops,
             "vs_xla": {name: tflops[name] / tflops["xla"] for name in kernels},
@@ -105,14 +110,15 @@ def main():
     parser.add_argument("--only", help="run only cases whose name contains this")
     args = parser.parse_args()
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    cases = [(c, False) for c in shapes.MATMUL_SQUARE + shapes.MATMUL_SKINNY]
-    cases += [(c, True) for c in shapes.MATMUL_EPILOGUE]
+    cases = [((*c, None), False) for c in shapes.MATMUL_SQUARE + shapes.MATMUL_SKINNY]
+    cases += [((*c, None), True) for c in shapes.MATMUL_EPILOGUE]
+    cases += [((name, m, n, k, batch), False) for name, batch, m, n, k in shapes.MATMUL_BATCHED]
     warm_up()
     rows = []
-    for (name, m, n, k), epilogue in cases:
+    for (name, m, n, k, batch), epilogue in cases:
         if args.only and args.only not in name:
             continue
-        rows.append(bench_case(name, m, n, k, epilogue=epilogue, tune=args.tune))
+        rows.append(bench_case(name, m, n, k, epilogue=epilogue, tune=args.tune, batch=batch))
         r = rows[-1]
         ours = "  ".join(f"{name} {r['tflops'][name]:6.1f} (x{r['vs_xla'][name]:.3f} xla, "
                          f"x{r['vs_torch'][name]:.3f} torch, first call "

@@ -250,7 +250,6 @@ def matmul(a: jax.Array, b: jax.Array, *, config: MosaicMatmulConfig, out_dtype,
     return launch(a[None], b[None], *(given[name] for name in vectors))[0]
 
 
-@functools.cache
 def _batched_launch(config: MosaicMatmulConfig, out_dtype, transpose_a: bool, transpose_b: bool,
                     vectors: tuple[str, ...], promote: bool):
     """The kernel over a batch of matrices: a [batch or 1, ...] and b [batch or 1, ...] to
