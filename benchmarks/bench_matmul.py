@@ -4,7 +4,8 @@ torch.bmm, same run.
 
     python -m benchmarks.bench_matmul [--tune] [--json results.json]
 
-FLOP model: 2·M·N·K per product (times the batch for bmm). bf16 inputs and outputs, fp32 accumulation on every side.
+FLOP model: 2·M·N·K per product (times the batch for bmm). bf16 inputs and outputs, fp32
+accumulation on every side.
 The epilogue case compares matmul+bias+gelu(tanh) in one kernel with XLA's fused jnp version
 and torch's addmm + gelu.
 """

@@ -403,8 +403,8 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
       implementation: "pallas_mosaic_gpu" (Hopper: bf16/fp16, M and N multiples of its tile, K
         of 64, no epilogue), "pallas_triton", "xla" or "interpret"; default
         $JATTN_IMPLEMENTATION, else on Hopper "pallas_mosaic_gpu" where it runs the call and
-        was measured faster (from 2**21 outputs), "pallas_triton" on a CUDA GPU, "xla"
-        elsewhere (`jattn.explain` says why).
+        was measured faster (from 256 rows and 2**20 outputs), "pallas_triton" on a CUDA GPU,
+        "xla" elsewhere (`jattn.explain` says why).
       precision: float32 products, by `jax.default_matmul_precision`'s names: None keeps the
         caller's setting (JAX's default: TF32 on the GPU); "highest" gives full float32 products.
 
@@ -449,16 +449,15 @@ def _broadcast_batch(fn, a, b, batch_ndim: int):
 
 
 def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
-        epilogue: Epilogue | None = None, out_dtype=None,
-        config: MatmulConfig | str | None = None,
+        epilogue: Epilogue | None = None, out_dtype=None, config: Config | str | None = None,
         implementation: str | None = None, precision: str | None = None) -> jax.Array:
     """Batched `matmul`: a [..., M, K] @ b [..., K, N] -> [..., M, N].
 
     Leading (batch) dims broadcast as in numpy; an operand with batch size 1 is shared, not
-    copied. bias [N], epilogue (indices are within each matrix), out_dtype, config,
-    implementation and precision are as in `matmul`. a and b: bfloat16, float16 or float32, one
-    dtype. Returns [broadcast batch..., M, N] of out_dtype (default a's dtype); differentiable
-    as `matmul`.
+    copied; on Mosaic GPU the whole batch is one launch. bias [N], epilogue (indices are within
+    each matrix), out_dtype, config, implementation and precision are as in `matmul`. a and b:
+    bfloat16, float16 or float32, one dtype. Returns [broadcast batch..., M, N] of out_dtype
+    (default a's dtype); differentiable as `matmul`.
 
     Example::
 

@@ -1,13 +1,14 @@
-"""The GEMM kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation), for `matmul` and
-`scaled_matmul`.
+"""The GEMM kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation), for `matmul`, `bmm`
+and `scaled_matmul`.
 
 Programs are persistent, one per SM, and take output tiles in a snaking band order
 (`MosaicMatmulConfig.minor` / `group`) so that the programs running at once share A rows and B
 columns in L2. Each has three warpgroups: a producer streams the tile's A and B K-steps by TMA
 into a ring of `num_stages` shared-memory slots, and two consumers each accumulate half of the
-tile with wgmma in float32 registers. A consumer then scales its rows and columns (fp8), adds the bias, rounds to the output
-dtype and stores through shared memory in pieces of 64 rows by 128 bytes by TMA, two in
-flight, while the producer already streams the next tile's K-steps.
+tile with wgmma in float32 registers. A consumer then scales its rows and columns (fp8), adds
+the bias, rounds to the output dtype and stores through shared memory in pieces of 64 rows by
+128 bytes by TMA, two in flight, while the producer already streams the next tile's K-steps.
+A batch of matrices (bmm, jax.vmap) is one launch: the programs walk every matrix's tiles.
 
 fp8 operands are read K-major (b as its transpose [N, K], as wgmma takes 8-bit operands).
 Without fast accumulation each K-step's partial sums go to a second float32 accumulator that
