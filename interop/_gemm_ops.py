@@ -229,6 +229,16 @@ def _product_facts(a, b, *rest) -> dict:
                 **bridge.torch_eager_facts(2 * m * n * k))
 
 
+def _bmm_facts(a, b, *rest) -> dict:
+    """A bmm's facts: each of its [M, K] times [K, N] products, and the whole batch's work."""
+    if a.dim() < 2 or b.dim() < 2:
+        return {}
+    (m, k), n = a.shape[-2:], b.shape[-1]
+    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k,
+                **bridge.torch_eager_facts(2 * batch * m * n * k))
+
+
 def _matmul_fake(a, b, *rest):  # matmul and mm_plus_mm: a [..., M, K] times b [K, N]
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
@@ -262,7 +272,8 @@ matmul, matmul_backward = register(GemmOp(
     "matmul", jattn.matmul, ("Tensor a", "Tensor b", *_BIAS), _matmul_fake,
     grads=("a", "b", "bias"), facts=_product_facts))
 bmm, bmm_backward = register(GemmOp(
-    "bmm", jattn.bmm, ("Tensor a", "Tensor b", *_BIAS), _bmm_fake, grads=("a", "b", "bias")))
+    "bmm", jattn.bmm, ("Tensor a", "Tensor b", *_BIAS), _bmm_fake, grads=("a", "b", "bias"),
+    facts=_bmm_facts))
 mm_plus_mm, mm_plus_mm_backward = register(GemmOp(
     "mm_plus_mm", jattn.mm_plus_mm, ("Tensor a", "Tensor b", "Tensor c", "Tensor d", *_BIAS),
     _matmul_fake, grads=("a", "b", "c", "d", "bias")))

@@ -199,6 +199,9 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     ("matmul", torch.bfloat16, ((512, 256), (256, 1024)), "pallas_triton"),  # few outputs
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
+    ("bmm", torch.bfloat16, ((8, 1024, 512), (1, 512, 1024)), "pallas_mosaic_gpu"),
+    ("bmm", torch.bfloat16, ((8, 1000, 512), (512, 1024)), "pallas_triton"),  # ragged M
+    ("bmm", torch.float32, ((8, 1024, 512), (8, 512, 1024)), "pallas_triton"),
 ])
 @pytest.mark.parametrize("launches_triton", [False, True])
 def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, monkeypatch, op, dtype,
@@ -209,10 +212,12 @@ def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, monkeypatch, o
     from jattn._src import bridge
 
     monkeypatch.setattr(bridge, "triton_compiler_available", lambda: launches_triton)
+    facts = _gemm_ops._bmm_facts if op == "bmm" else _gemm_ops._product_facts
     a, b = (torch.empty(shape, device="meta", dtype=dtype) for shape in shapes)
     expected = "pallas_triton" if launches_triton else chosen
-    assert bridge.resolve(op, None, on_cuda=True, **_gemm_ops._product_facts(a, b)) == expected
+    assert bridge.resolve(op, None, on_cuda=True, **facts(a, b)) == expected
+    if dtype == torch.float32:
+        return
     large = [torch.empty(shape, device="meta", dtype=dtype) for shape in ((16384, 8192),
                                                                            (8192, 16384))]
-    assert bridge.resolve(op, None, on_cuda=True,
-                          **_gemm_ops._product_facts(*large)) == "pallas_mosaic_gpu"
+    assert bridge.resolve(op, None, on_cuda=True, **facts(*large)) == "pallas_mosaic_gpu"
