@@ -17,6 +17,7 @@ import pytest
 
 import jattn
 from jattn._src import backends, hardware
+from jattn._src.gemm.api import make_options
 from jattn._src.gemm.config import heuristic_mosaic_config, mosaic_search_space
 from jattn._src.gemm.reference import matmul_reference, scaled_matmul_reference
 from tests.gemm.test_matmul import _check_matmul
@@ -115,6 +116,18 @@ def test_heuristic_and_search_space_fit_shared_memory(m, n, dtype, expected):
         assert m % candidate.block_m == 0 and n % candidate.block_n == 0
         assert candidate.block_k * itemsize == 128
         assert candidate.shared_memory_bytes(itemsize) <= 227 * 1024
+
+
+def test_heuristic_counts_the_tiles_of_a_batch(as_if_on_hopper):
+    """One launch runs every matrix's tiles: 16 products of 1024^2 fill the SMs with 128 x 256
+    tiles, one alone needs 128 x 64 ones."""
+    alone = heuristic_mosaic_config(1024, 1024, 1024, jnp.bfloat16)
+    batched = heuristic_mosaic_config(1024, 1024, 1024, jnp.bfloat16, batch=16)
+    assert (alone.block_m, alone.block_n) == (128, 64)
+    assert (batched.block_m, batched.block_n) == (128, 256)
+    options, _ = make_options("bmm", 1024, 1024, 1024, jnp.bfloat16, None, None, None, None,
+                              MOSAIC, batch=16)
+    assert options.config == batched and options.batch == 16
 
 
 # ------------------------------------------------------------------------------------------------

@@ -176,14 +176,14 @@ def _check_config_type(op: str, config: Any) -> None:
 
 def choose_config(op: str, implementation: Implementation, config: Config | str | None,
                   m: int, n: int, k: int, dtype: jnp.dtype, *, runs: RunMaker | None = None,
-                  split_k: bool = True, fast_accum: bool = False) -> Config:
+                  split_k: bool = True, fast_accum: bool = False, batch: int = 1) -> Config:
     """The config of one `op` product on a kernel implementation: the caller's as given; else
     the op's cached tuning result; else (config="autotune") the search space timed now on
     this device with `runs` (default: matmul's) and the winner cached under (op,
     implementation, device, shape bucket, dtype, fast_accum); else the heuristic.
     split_k=False: the op's kernel cannot split K (a cached or heuristic config runs with
     split_k = 1). fast_accum: fp8 accumulated by the tensor cores throughout (tiles that
-    promote partial sums need not fit).
+    promote partial sums need not fit). batch: products of this shape in one launch (bmm).
     """
     if isinstance(config, implementation.config_class):
         return config
@@ -202,7 +202,7 @@ def choose_config(op: str, implementation: Implementation, config: Config | str 
             desc=f"jattn: tuning {op} {m}x{n}x{k} {jnp.dtype(dtype).name}")
         cache.store(op, key, dataclasses.asdict(chosen))
     else:
-        chosen = implementation.heuristic(m, n, k, dtype, fast_accum=fast_accum)
+        chosen = implementation.heuristic(m, n, k, dtype, fast_accum=fast_accum, batch=batch)
     if split_k or not hasattr(chosen, "split_k"):
         return chosen
     return dataclasses.replace(chosen, split_k=1)
@@ -222,8 +222,10 @@ def _product(implementation: Implementation, config: MatmulConfig | None, out_dt
         save_preact=save_preact, interpret=implementation.backend.interpret)
 
 
-def product_for_shape(implementation: Implementation, a, b, out_dtype, **transposes):
-    """A plain product (no bias, no epilogue) with matmul's config for its own shape.
+def product_for_shape(implementation: Implementation, a, b, out_dtype, batch: int = 1,
+                      **transposes):
+    """A plain product (no bias, no epilogue) with matmul's config for its own shape, one of
+    `batch` such products in one launch (bmm's backward under its vmap).
 
     The products of every GEMM backward; `transposes` are transpose_a / transpose_b. They run
     on matmul's implementation on the call's backend, or where that cannot run this product
@@ -239,7 +241,7 @@ def product_for_shape(implementation: Implementation, a, b, out_dtype, **transpo
     if (implementation.unsupported(**facts) or implementation.slower(**facts)) is not None:
         implementation = backends.resolve("matmul", **facts)
     if implementation.tunable:
-        config = choose_config("matmul", implementation, None, m, n, k, a.dtype)
+        config = choose_config("matmul", implementation, None, m, n, k, a.dtype, batch=batch)
     return _product(implementation, config, out_dtype, a, b, **transposes)
 
 
@@ -253,6 +255,7 @@ class Options:
     epilogue_tile: TracedFunction | None
     epilogue_full: TracedFunction | None
     precision: str | None = None  # float32 products (jattn._src.precision)
+    batch: int = 1  # products of this shape in one launch (bmm)
 
     def product(self, a, b, bias=None, captures=(), *, save_preact=False):
         with precision_applied(self.precision):
@@ -263,7 +266,8 @@ class Options:
     def backward_product(self, a, b, out_dtype, **transposes):
         """A plain product of the backward pass, with its own config for its own shape."""
         with precision_applied(self.precision):
-            return product_for_shape(self.implementation, a, b, out_dtype, **transposes)
+            return product_for_shape(self.implementation, a, b, out_dtype, self.batch,
+                                     **transposes)
 
     def preact_cotangent(self, preact, captures, d_out):
         """(d_preact in fp32, d_captures): d_out pulled back through the epilogue."""
@@ -318,13 +322,14 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dtype, config,
                  implementation, *, split_k: bool = True, runs: Callable | None = None,
-                 precision=None, fast_accum: bool = False) -> tuple[Options, tuple[Any, ...]]:
+                 precision=None, fast_accum: bool = False,
+                 batch: int = 1) -> tuple[Options, tuple[Any, ...]]:
     """Validated static options of an [m, k] @ [k, n] product, and the epilogue's captures.
 
     split_k=False (fused variants that cannot split K): a caller's config with split_k > 1 is
     rejected, and a cached or heuristic one runs with split_k = 1. runs(implementation): the
-    op's RunMaker for config="autotune" (default: a plain matmul of the shape). fast_accum:
-    as `choose_config`'s.
+    op's RunMaker for config="autotune" (default: a plain matmul of the shape). fast_accum,
+    batch: as `choose_config`'s.
     """
     _check_bias(op, bias, n)
     out_dtype = _out_dtype(op, out_dtype, dtype)
@@ -336,13 +341,14 @@ def make_options(op: str, m: int, n: int, k: int, dtype, bias, epilogue, out_dty
     if state.record is not None and not backends.explaining() and not any(
             isinstance(x, jax.core.Tracer) for x in state.arrays):
         key = (op, m, n, k, jnp.dtype(dtype), out_dtype, config, implementation, split_k,
-               fast_accum, precision, state.record, backends.requested_implementation(),
+               fast_accum, batch, precision, state.record, backends.requested_implementation(),
                hardware.default_platform())
         plan = _PLANS.get(key) if runs is None else None
         if plan is not None:
             return plan[0], tuple(guards.fetch(plan[1], state.arrays))
     options, captures = _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config,
-                                        implementation, split_k, runs, precision, fast_accum)
+                                        implementation, split_k, runs, precision, fast_accum,
+                                        batch)
     sources = None if key is None else guards.sources_of(list(captures), state.arrays)
     if sources is not None and runs is None:
         _PLANS.put(key, (options, sources))
@@ -354,7 +360,7 @@ _PLANS: ProgramCache[tuple] = ProgramCache("gemm.plans")
 
 
 def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementation, split_k,
-                    runs, precision, fast_accum) -> tuple[Options, tuple[Any, ...]]:
+                    runs, precision, fast_accum, batch) -> tuple[Options, tuple[Any, ...]]:
     """make_options' slow path: the implementation and config chosen, the epilogue traced."""
     implementation = backends.resolve(op, implementation, dtype=dtype, m=m, n=n, k=k,
                                       epilogue=epilogue is not None, config=config)
@@ -368,14 +374,14 @@ def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementat
     else:
         resolved = choose_config(op, implementation, config, m, n, k, dtype, split_k=split_k,
                                  runs=None if runs is None else runs(implementation),
-                                 fast_accum=fast_accum)
+                                 fast_accum=fast_accum, batch=batch)
         tile = (resolved.block_m, resolved.block_n)
     epilogue_tile = epilogue_full = None
     captures: Sequence[Any] = ()
     if epilogue is not None:
         epilogue_tile, epilogue_full, captures = _trace_epilogue(op, epilogue, tile, (m, n))
     options = Options(implementation, resolved, out_dtype, epilogue_tile, epilogue_full,
-                      precision)
+                      precision, batch)
     return options, tuple(captures)
 
 
@@ -473,7 +479,8 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
         raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
     (m, k), n = a.shape[-2:], b.shape[-1]
     options, captures = make_options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation, precision=precision)
+                                     config, implementation, precision=precision,
+                                     batch=math.prod(batch))
     a = a.reshape((1,) * (len(batch) + 2 - a.ndim) + a.shape)
     b = b.reshape((1,) * (len(batch) + 2 - b.ndim) + b.shape)
     program = jitted(_matmul, options)

@@ -77,10 +77,11 @@ def _split_k_for(m: int, n: int, k: int, config: MatmulConfig) -> int:
     return split
 
 
-def heuristic_config(m: int, n: int, k: int, dtype: np.dtype,
-                     fast_accum: bool = False) -> MatmulConfig:
+def heuristic_config(m: int, n: int, k: int, dtype: np.dtype, fast_accum: bool = False,
+                     batch: int = 1) -> MatmulConfig:
     """The default config for an [m, k] @ [k, n] product of `dtype` inputs (fp8's
-    accumulation mode, `fast_accum`, does not change these tiles).
+    accumulation mode, `fast_accum`, and the products in one launch, `batch`, do not change
+    these tiles).
 
     The tile shapes are the H100 autotuning winners of benchmarks/HISTORY.md for bf16.
     """
@@ -280,15 +281,18 @@ def _deepest(config: MosaicMatmulConfig, itemsize: int, k: int) -> MosaicMatmulC
     return dataclasses.replace(config, num_stages=stages)
 
 
-def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype,
-                            fast_accum: bool = False) -> MosaicMatmulConfig:
+def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype, fast_accum: bool = False,
+                            batch: int = 1) -> MosaicMatmulConfig:
     """The default Mosaic GEMM config: the largest tile (128 x 256, 256 x 128, 128 x 128,
     128 x 64; fp8 promoted: 128 x 128) that divides [m, n] into enough tiles to fill the SMs
-    (else the one giving the most tiles), with as many stages as shared memory holds."""
-    fitting = [tile for tile in _mosaic_tiles(dtype, fast_accum)
-               if m % tile[0] == 0 and n % tile[1] == 0] or [_mosaic_tiles(dtype, fast_accum)[-1]]
-    enough = [tile for tile in fitting if _tiles(m, n, *tile[:2]) >= _WAVE_FILL * num_sms()]
-    block_m, block_n, split = (enough or [max(fitting, key=lambda t: _tiles(m, n, *t[:2]))])[0]
+    (counting the `batch` products of one launch; else the one giving the most tiles), with
+    as many stages as shared memory holds."""
+    candidates = _mosaic_tiles(dtype, fast_accum)
+    fitting = [tile for tile in candidates
+               if m % tile[0] == 0 and n % tile[1] == 0] or [candidates[-1]]
+    tiles = lambda tile: batch * _tiles(m, n, *tile[:2])
+    enough = [tile for tile in fitting if tiles(tile) >= _WAVE_FILL * num_sms()]
+    block_m, block_n, split = (enough or [max(fitting, key=tiles)])[0]
     config = MosaicMatmulConfig(block_m=block_m, block_n=block_n, block_k=mosaic_block_k(dtype),
                                 split=split)
     return _deepest(config, np.dtype(dtype).itemsize, k)
