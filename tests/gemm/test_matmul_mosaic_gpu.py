@@ -278,7 +278,7 @@ def test_vmap_of_matmul_equals_each_matrix_alone():
     rng = np.random.default_rng(12)
     a, b = random(rng, (4, 256, 512), jnp.bfloat16), random(rng, (2, 512, 256), jnp.bfloat16)
     bias = random(rng, (4, 256), jnp.float32)
-    fn = jax.jit(functools.partial(jattn.matmul, implementation=MOSAIC))
+    fn = jax.jit(lambda a, b, c: jattn.matmul(a, b, bias=c, implementation=MOSAIC))
     nested = jax.jit(jax.vmap(jax.vmap(fn, in_axes=(0, None, 0)), in_axes=(None, 0, None)))
     out = nested(a, b, bias)
     for i, j in np.ndindex(2, 4):
