@@ -72,11 +72,12 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool,
             for shape in (lead + (m, k), lead + (k, n), (n,))]
     # Distinct copies (scaled) so that no two calls see the same inputs.
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
-    facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue)
+    facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue, batch=batch or 1)
     default = backends.resolve(op, **facts).name
     kernels = kernel_backends(op, facts)
     configs = {name: choose_config(op, backends.resolve(op, name),
-                                   "autotune" if tune else None, m, n, k, jnp.bfloat16)
+                                   "autotune" if tune else None, m, n, k, jnp.bfloat16,
+                                   batch=batch or 1)
                for name in kernels}
     if epilogue:
         ours = {name: jax.jit(lambda a, b, bias, c=configs[name], i=name: jattn.matmul(

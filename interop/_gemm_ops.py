@@ -235,7 +235,7 @@ def _bmm_facts(a, b, *rest) -> dict:
         return {}
     (m, k), n = a.shape[-2:], b.shape[-1]
     batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k,
+    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k, batch=batch,
                 **bridge.torch_eager_facts(2 * batch * m * n * k))
 
 

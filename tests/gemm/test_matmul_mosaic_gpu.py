@@ -72,6 +72,7 @@ def test_it_needs_a_hopper_gpu(monkeypatch):
     (dict(m=128, n=8192, k=8192), "pallas_triton"),  # skinny: measured as fast
     (dict(m=1024, n=1024, k=1024), MOSAIC),           # small tiles
     (dict(m=512, n=1024, k=1024), "pallas_triton"),   # fewer outputs than measured
+    (dict(m=512, n=512, k=128, batch=64), MOSAIC),    # a bmm: 2**24 outputs in one launch
     (dict(m=2048, n=1024, k=1024), MOSAIC),
 ])
 def test_hopper_default(as_if_on_hopper, facts, chosen):

@@ -200,6 +200,8 @@ def test_calls_without_a_gradient_skip_autograd(monkeypatch):
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1024), (1024, 2048)), "pallas_mosaic_gpu"),
     ("scaled_matmul", torch.float8_e4m3fn, ((2048, 1000), (1000, 2048)), "pallas_triton"),
     ("bmm", torch.bfloat16, ((8, 1024, 512), (1, 512, 1024)), "pallas_mosaic_gpu"),
+    ("bmm", torch.bfloat16, ((64, 512, 128), (64, 128, 512)), "pallas_mosaic_gpu"),
+    ("bmm", torch.bfloat16, ((2, 512, 128), (2, 128, 512)), "pallas_triton"),  # few outputs
     ("bmm", torch.bfloat16, ((8, 1000, 512), (512, 1024)), "pallas_triton"),  # ragged M
     ("bmm", torch.float32, ((8, 1024, 512), (8, 512, 1024)), "pallas_triton"),
 ])

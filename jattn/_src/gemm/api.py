@@ -236,7 +236,7 @@ def product_for_shape(implementation: Implementation, a, b, out_dtype, batch: in
     m = a.shape[1] if transposes.get("transpose_a") else a.shape[0]
     k = a.shape[0] if transposes.get("transpose_a") else a.shape[1]
     n = b.shape[0] if transposes.get("transpose_b") else b.shape[1]
-    facts = dict(dtype=a.dtype, m=m, n=n, k=k)
+    facts = dict(dtype=a.dtype, m=m, n=n, k=k, batch=batch)
     implementation = backends.on_backend_of("matmul", implementation)
     if (implementation.unsupported(**facts) or implementation.slower(**facts)) is not None:
         implementation = backends.resolve("matmul", **facts)
@@ -363,7 +363,8 @@ def _traced_options(op, m, n, k, dtype, epilogue, out_dtype, config, implementat
                     runs, precision, fast_accum, batch) -> tuple[Options, tuple[Any, ...]]:
     """make_options' slow path: the implementation and config chosen, the epilogue traced."""
     implementation = backends.resolve(op, implementation, dtype=dtype, m=m, n=n, k=k,
-                                      epilogue=epilogue is not None, config=config)
+                                      epilogue=epilogue is not None, config=config,
+                                      batch=batch)
     if 0 in (m, n, k):
         implementation = backends.for_empty(op)
     if not split_k and isinstance(config, MatmulConfig) and config.split_k != 1:
