@@ -261,8 +261,8 @@ def test_default_configs_match_golden(m, n, k, dtype):
 
 @gpu
 @pytest.mark.parametrize("a_shape, b_shape", [
-    ((3, 512, 256), (3, 256, 384)),         # 128 x 128 tiles, 12 a matrix
-    ((2, 1, 1024, 256), (3, 256, 1024)),    # broadcast batch dims; b shared along the first
+    ((3, 512, 256), (3, 256, 384)),         # 128 x 64 tiles, 24 a matrix
+    ((2, 1, 1024, 256), (3, 256, 1024)),    # 128 x 256 tiles; b shared along the first dim
 ])
 def test_bmm_matches_golden_with_gradients(a_shape, b_shape):
     rng = np.random.default_rng(len(a_shape))
