@@ -67,17 +67,18 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool,
     rng = np.random.default_rng(0)
     lead = () if batch is None else (batch,)
     op = "matmul" if batch is None else "bmm"
-    copies = input_copies(2 * (batch or 1) * (m * k + k * n + m * n))
+    products = batch or 1
+    copies = input_copies(2 * products * (m * k + k * n + m * n))
     base = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
             for shape in (lead + (m, k), lead + (k, n), (n,))]
     # Distinct copies (scaled) so that no two calls see the same inputs.
     sets = [[x * (1 + i / copies) for x in base] for i in range(copies)]
-    facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue, batch=batch or 1)
+    facts = dict(dtype=jnp.bfloat16, m=m, n=n, k=k, epilogue=epilogue, batch=products)
     default = backends.resolve(op, **facts).name
     kernels = kernel_backends(op, facts)
     configs = {name: choose_config(op, backends.resolve(op, name),
                                    "autotune" if tune else None, m, n, k, jnp.bfloat16,
-                                   batch=batch or 1)
+                                   batch=products)
                for name in kernels}
     if epilogue:
         ours = {name: jax.jit(lambda a, b, bias, c=configs[name], i=name: jattn.matmul(
@@ -97,7 +98,7 @@ def bench_case(name: str, m: int, n: int, k: int, *, epilogue: bool, tune: bool,
            for name, fn in ours.items()}
     seconds = {name: time_jax(fn, sets) for name, fn in ours.items()}
     seconds |= {"xla": time_jax(xla, sets), "torch": time_torch(torch_fn, _torch_sets(sets))}
-    tflops = {key: 2 * (batch or 1) * m * n * k / t / 1e12 for key, t in seconds.items()}
+    tflops = {key: 2 * products * m * n * k / t / 1e12 for key, t in seconds.items()}
     return {"case": name, "batch": batch, "m": m, "n": n, "k": k, "default": default,
             "configs": {name: c.__dict__ for name, c in configs.items()},
             "first_call_s": compile_s, "max_abs_diff_vs_xla": err, "tflops": tflops,

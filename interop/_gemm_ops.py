@@ -218,25 +218,28 @@ def register(spec: GemmOp):
 # ------------------------------------------------------------------------------------------------
 
 
+def _facts(dtype: torch.dtype, m: int, n: int, k: int, batch: int = 1) -> dict:
+    """`batch` [M, K] times [K, N] products of `dtype` in one call, and their work (2·M·N·K
+    each) where pallas_triton's kernel would be launched without JAX."""
+    return dict(dtype=DTYPES.get(dtype), m=m, n=n, k=k, batch=batch,
+                **bridge.torch_eager_facts(2 * batch * m * n * k))
+
+
 def _product_facts(a, b, *rest) -> dict:
-    """A matmul's facts: a [..., M, K] times b [K, N], and its work (2·M·N·K) where
-    pallas_triton's kernel would be launched without JAX (none for other ranks, which
-    jattn's own checks then reject by name)."""
+    """A matmul's facts: a [..., M, K] times b [K, N] (none for other ranks, which jattn's own
+    checks then reject by name)."""
     if a.dim() < 2 or b.dim() < 2:
         return {}
-    m, n, k = math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1]
-    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k,
-                **bridge.torch_eager_facts(2 * m * n * k))
+    return _facts(a.dtype, math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1])
 
 
 def _bmm_facts(a, b, *rest) -> dict:
-    """A bmm's facts: each of its [M, K] times [K, N] products, and the whole batch's work."""
+    """A bmm's facts: each of its [M, K] times [K, N] products, and the batch's size."""
     if a.dim() < 2 or b.dim() < 2:
         return {}
     (m, k), n = a.shape[-2:], b.shape[-1]
-    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    return dict(dtype=DTYPES.get(a.dtype), m=m, n=n, k=k, batch=batch,
-                **bridge.torch_eager_facts(2 * batch * m * n * k))
+    return _facts(a.dtype, m, n, k, math.prod(torch.broadcast_shapes(a.shape[:-2],
+                                                                     b.shape[:-2])))
 
 
 def _matmul_fake(a, b, *rest):  # matmul and mm_plus_mm: a [..., M, K] times b [K, N]
