@@ -312,27 +312,49 @@ def _packed_documents(length, seed=0):
     return jattn.masks.and_masks(jattn.masks.causal_mask, jattn.masks.document_mask(ids))
 
 
-@pytest.mark.parametrize("B, H, L, mask, dealt", [
-    (1, 16, 16384, jattn.masks.causal_mask, False),  # H200: 570 TFLOP/s consecutive, 534 dealt
+def _one_long_document(length: int):
+    """Causal documents: one of half the sequence, then documents of one block each."""
+    ids = np.r_[np.zeros(length // 2), np.arange(1, length // 256 + 1).repeat(128)]
+    return jattn.masks.and_masks(jattn.masks.causal_mask,
+                                 jattn.masks.document_mask(jnp.asarray(ids, jnp.int32)))
+
+
+@pytest.mark.parametrize("B, H, L, mask, order", [
+    # H100 (TFLOP/s): paired 598 against 566 with rows in order, heads in turn
+    (1, 16, 16384, jattn.masks.causal_mask, "paired"),
     (1, 16, 16384, lambda b, h, q_idx, kv_idx: (q_idx // 4096 == kv_idx // 4096)
-     & (q_idx >= kv_idx), False),  # documents of 4k: 524 against 484
-    (1, 16, 16384, _packed_documents(16384), True),  # 1k-7k tokens: 466 dealt against 384
-    (4, 16, 2048, jattn.masks.causal_mask, True),  # one wave, H100: 467 dealt against 300
-    (1, 16, 4096, lambda b, h, q_idx, kv_idx: q_idx >= 0, False),  # full: L2 reuse wins
+     & (q_idx >= kv_idx), "paired"),  # documents of 4k: 522 against 495
+    (1, 16, 16384, _packed_documents(16384), "paired"),  # 1k-7k tokens: 471 against 427 dealt
+    (4, 16, 2048, jattn.masks.causal_mask, "paired"),  # one wave: 472 against 434 dealt
+    (1, 16, 16384, _one_long_document(16384), "dealt"),  # a few rows hold most of the work
+    (1, 16, 16384, lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < 1024),
+     "consecutive"),  # a sliding window's equal rows: 482 against 463 paired
+    (1, 16, 4096, lambda b, h, q_idx, kv_idx: q_idx >= 0, "consecutive"),
 ])
-def test_the_forward_deals_tiles_where_a_few_rows_hold_the_work(B, H, L, mask, dealt):
+def test_the_forward_orders_tiles_by_the_rows_work(B, H, L, mask, order):
     """The Mosaic forward's choice, per call from the BlockMask's counts, between programs of
-    consecutive tiles (heaviest rows first) and tiles dealt round the programs, on 132 SMs."""
+    consecutive tiles (rows in order, heads in turn), of paired rows, and tiles dealt round
+    the programs, on 132 SMs."""
     from jattn._src.attention import pallas_mosaic_gpu_fwd as fwd
-    from jattn._src.attention.pallas_mosaic_gpu_tiles import deals, heaviest_first
+    from jattn._src.attention import pallas_mosaic_gpu_tiles as tiles
     lists = jattn.create_block_mask(mask, None, None, L, L).lists()
     arrays = (lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
               lists.full_kv_indices)
-    tiles = B * H * L // 128
-    group = fwd._tiles_per_program(tiles, fwd.MAX_TILES_PER_PROGRAM)
-    chosen = deals(arrays, True, heaviest_first(arrays, True), tiles=tiles, group=group,
-                   sms=132)
-    assert bool(chosen[0]) == dealt
+    group = fwd._tiles_per_program(B * H * L // 128, fwd.MAX_TILES_PER_PROGRAM)
+    chosen = tiles.tile_order(arrays, True, tiles.heaviest_first(arrays, True),
+                              tiles.paired(arrays, True), batch_heads=(B, H), group=group,
+                              sms=132)
+    assert int(chosen[0]) == getattr(tiles, order.upper())
+
+
+def test_paired_rows_alternate_heaviest_and_lightest():
+    """Each mask head's rows by work, heaviest with lightest: a causal mask's pairs sum
+    equally."""
+    from jattn._src.attention.pallas_mosaic_gpu_tiles import paired
+    counts = jnp.asarray([[[1, 2, 3, 4, 5, 6], [6, 6, 6, 1, 1, 1]]], jnp.int32)
+    order = np.asarray(paired((counts, None), has_full=False)).reshape(2, 6)
+    np.testing.assert_array_equal(order[0], [5, 0, 4, 1, 3, 2])
+    np.testing.assert_array_equal(order[1], [0, 5, 1, 4, 2, 3])
 
 
 @pytest.mark.parametrize("transposed", [False, True])  # the dK/dV kernel's [keys, queries]
@@ -489,20 +511,21 @@ def _window_by_head(b, h, q_idx, kv_idx):  # causal, 128 (h + 1) keys back: work
 
 @gpu
 @pytest.mark.parametrize("B, Hq, Hkv, E, dtype, score_mod, mask_mod, heads, sms", [
-    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),
-    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 7),  # dealt: 6, 6, .., 5
-    (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None, 3),
-    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 3),
-    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 10),  # dealt
+    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),  # dealt, 2 a program
+    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 7),  # paired, 3
+    (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None, 3),  # paired, 1
+    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 10),  # paired by batch and head, 4
+    (2, 4, 2, 64, jnp.float16, None, lambda b, h, q_idx, kv_idx: q_idx >= 0, None, 3),  # rows
     (2, 8, 4, 128, jnp.bfloat16, None, None, None, 3),  # no BlockMask: up to 16 tiles, 9 here
 ])
 def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv, E, dtype,
                                                          score_mod, mask_mod, heads, sms):
-    """With few SMs for the tiles (3 here, 20-80 tiles of 640 queries), each program walks up
-    to seven or nine tiles, the BlockMask rows with the most blocks first, the last program
-    fewer: its K/V ring and query buffers run on from one tile into the next. With 7 or 10 SMs
-    (and with 3 for the empty first row) the programs' tiles are dealt round them (`deals`
-    decides per call; the causal and window masks on 3 SMs keep consecutive tiles)."""
+    """With few SMs for the tiles (3 to 10 here, 20-80 tiles of 640 queries), each program
+    walks up to four tiles (nine without a BlockMask), the last program fewer: its K/V ring
+    and query buffers run on from one tile into the next. `tile_order` decides per call how
+    the programs take them (the comments say which it picks): dealt round the programs,
+    paired (per mask batch and head where the mask has them), or rows in order, heads in
+    turn."""
     monkeypatch.setattr(hardware, "num_sms", lambda: sms)
     q, k, v = _inputs(B, Hq, Hkv, 640, E, dtype, seed=7)
     block_mask = None if mask_mod is None else jattn.create_block_mask(mask_mod, B, heads, 640,

@@ -52,9 +52,12 @@ DKDV_STAGES = 3  # Q/dO slots of the dK/dV kernel
 # At head dim 128 the two consumers split the product by head dims, each over all 128 keys
 # (FlashAttention-3's split: a [64, 64] accumulator beside dK and dV's, where its own 64 keys
 # would need [64, 128]); at 64 each takes its own keys (half of 64 head dims is narrower than
-# a shared-memory tile). Measured on the H200 (benchmarks/RESULTS.md): 1.13x the two kernels
-# at head dim 64, 0.73x at 128, which stays with them (`bench_mosaic_backward
-# --reduce-add-dq` times both head dims).
+# a shared-memory tile). H100, B4 L4096 full / causal, same run as the two kernels
+# (`bench_mosaic_backward --reduce-add-dq`): head dim 64 408 / 367 TFLOP/s against 332 / 315
+# (0.99 / 0.98x cuDNN); head dim 128 372 / 335 against 425 / 407, so 128 stays with the two
+# kernels: in lockstep at the dSᵀ barrier the consumers' softmax no longer overlaps the other's
+# products, and at 64 keys a step the products read shared memory at its bandwidth
+# (benchmarks/HISTORY.md, session 36).
 REDUCE_ADD_HEAD_DIMS = (64,)
 
 
@@ -211,6 +214,70 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Probl
 # dK / dV
 # ------------------------------------------------------------------------------------------------
 
+def _step(p: Problem, tile: _Tile, wg, step_refs, k_smem, v_smem, dk_acc, dv_acc, dtype):
+    """A consumer's dK/dV step without dQ: Sᵀ, then Pᵀ, then dPᵀ and dV issued together and
+    dSᵀ computed while dV runs; dK left in flight."""
+    lse_ref, delta_ref, q_tile, do_tile = step_refs
+
+    def products(s_acc, dp_acc):
+        plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
+        # Pᵀ before dPᵀ starts: with dK and dV held, the two [64, 64] accumulators live at
+        # once spill registers (ptxas, head dim 128); the other consumer's products fill the
+        # tensor cores.
+        prob, raw, keep = tile.probabilities(plgpu.wgmma_accumulator_load(s_acc, wait_n=0),
+                                             load_vector(lse_ref, COLUMN))
+        plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
+        kept = tile.dropout_keep()
+        plgpu.wgmma(dv_acc, dropout.dropped(p, kept, prob).astype(dtype), do_tile)
+        dp = dropout.dropped(p, kept, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1))
+        return tile.score_gradient(prob, raw, keep, dp, load_vector(delta_ref, COLUMN))
+
+    shape = plgpu.ACC((KEYS, QUERIES), jnp.float32)
+    ds = pl.run_scoped(products, shape, shape).astype(dtype)
+    plgpu.wgmma(dk_acc, ds, q_tile)
+
+
+def _reduce_add_step(p: Problem, tile: _Tile, wg, step_refs, k_smem, v_smem, ds_smem, ds_ready,
+                     dk_acc, dv_acc, split: bool, dtype):
+    """A consumer's dK/dV step that also computes its part of the step's dQ (float32,
+    returned), in FlashAttention-3's order: Sᵀ and dPᵀ issued together (Pᵀ computed while dPᵀ
+    runs), dSᵀ staged in shared memory, dV issued, then, once both consumers' dSᵀ are staged
+    (split by head dims), dQ and dK; dK left in flight. The two consumers run in lockstep, so
+    each keeps the tensor cores busy from its own queue."""
+    lse_ref, delta_ref, q_tile, do_tile = step_refs
+    dims = p.E // CONSUMERS if split else p.E
+
+    def products(s_acc, dp_acc):
+        plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
+        plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
+        prob, raw, keep = tile.probabilities(plgpu.wgmma_accumulator_load(s_acc, wait_n=1),
+                                             load_vector(lse_ref, COLUMN))
+        kept = tile.dropout_keep()
+        dp = dropout.dropped(p, kept, plgpu.wgmma_accumulator_load(dp_acc, wait_n=0))
+        ds = tile.score_gradient(prob, raw, keep, dp, load_vector(delta_ref, COLUMN))
+        return dropout.dropped(p, kept, prob).astype(dtype), ds.astype(dtype)
+
+    shape = plgpu.ACC((KEYS, QUERIES), jnp.float32)
+    prob, ds = pl.run_scoped(products, shape, shape)
+    ds_smem.at[wg][...] = ds
+    plgpu.wgmma(dv_acc, prob, do_tile)
+    plgpu.commit_smem()
+    if split:
+        plgpu.barrier_arrive(ds_ready)
+        plgpu.barrier_wait(ds_ready)
+
+    def dq_part(dq_acc):
+        if split:
+            for w in range(CONSUMERS):
+                plgpu.wgmma(dq_acc, ds_smem.at[w].T, k_smem.at[w, :, pl.ds(wg * dims, dims)])
+        else:
+            plgpu.wgmma(dq_acc, ds_smem.at[wg].T, k_smem.at[wg])
+        plgpu.wgmma(dk_acc, ds, q_tile)
+        return plgpu.wgmma_accumulator_load(dq_acc, wait_n=1)
+
+    return pl.run_scoped(dq_part, plgpu.ACC((QUERIES, dims), jnp.float32))
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Problem,
                  has_full: bool, n_captures, fns, dtype, reduce_dq: bool):
     # With reduce_dq, the inputs end with dq_accum [B, Hq, L, E] float32, which each step's
@@ -240,7 +307,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
             step, halves) * QUERIES
 
     def body(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-             ds_ready, ds_read, kv_ready, ready, free):
+             ds_ready, dq_done, kv_ready, ready, free):
         wg = lax.axis_index("wg")
 
         @pl.when(wg < CONSUMERS)
@@ -257,73 +324,32 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                     h, owner, partial, steps = head_walk(g)
 
                     def visit(step, apply_mask):
-                        slot = slot_of(done + step)
-                        q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+                        count = done + step
+                        slot = slot_of(count)
                         tile = _Tile(p, fns, capture_refs, b, h,
                                      (query_start(owner, partial, step), kv0), apply_mask,
                                      query_axis=1)
-
-                        def products(s_acc, dp_acc):
-                            plgpu.barrier_wait(ready.at[slot])
-                            plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
-                            # Sᵀ, then Pᵀ, before dPᵀ starts: with dK and dV held, the two
-                            # [64, 64] accumulators live at once spill registers (ptxas, head
-                            # dim 128); the other consumer's products fill the tensor cores.
-                            prob, raw, keep = tile.probabilities(
-                                plgpu.wgmma_accumulator_load(s_acc, wait_n=0),
-                                load_vector(lse_smem.at[slot], COLUMN))
-                            plgpu.wgmma(dp_acc, v_smem.at[wg], do_tile.T)
-                            kept = tile.dropout_keep()
-                            plgpu.wgmma(dv_acc, dropout.dropped(p, kept, prob).astype(dtype),
-                                        do_tile)
-                            # dSᵀ while dV is computed.
-                            dp = dropout.dropped(p, kept,
-                                                 plgpu.wgmma_accumulator_load(dp_acc, wait_n=1))
-                            return tile.score_gradient(prob, raw, keep, dp, load_vector(
-                                delta_smem.at[slot], COLUMN))
-
-                        shape = plgpu.ACC((KEYS, QUERIES), jnp.float32)
-                        ds = pl.run_scoped(products, shape, shape).astype(dtype)
-                        plgpu.wgmma(dk_acc, ds, q_tile)
-                        if not reduce_dq:
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(free.at[slot])
-                            return
-                        if split:
-                            # The other consumer's dQ product has read the last step's dSᵀ.
-                            @pl.when(done + step > 0)
-                            def _():
-                                plgpu.barrier_wait(ds_read)
-
-                        ds_smem.at[wg][...] = ds
-                        plgpu.commit_smem()
-                        if split:
-                            plgpu.barrier_arrive(ds_ready)
-                            plgpu.barrier_wait(ds_ready)
-
-                        def dq_part(dq_acc):
-                            if split:
-                                for w in range(CONSUMERS):
-                                    plgpu.wgmma(dq_acc, ds_smem.at[w].T,
-                                                k_smem.at[w, :, pl.ds(wg * dq_dims, dq_dims)])
-                            else:
-                                plgpu.wgmma(dq_acc, ds_smem.at[wg].T, k_smem.at[wg])
-                            return plgpu.wgmma_accumulator_load(dq_acc, wait_n=0)
-
-                        dq = pl.run_scoped(dq_part, plgpu.ACC((QUERIES, dq_dims), jnp.float32))
-                        if split:
-                            plgpu.barrier_arrive(ds_read)
+                        step_refs = (lse_smem.at[slot], delta_smem.at[slot], q_smem.at[slot],
+                                     do_smem.at[slot])
+                        plgpu.barrier_wait(ready.at[slot])
+                        if reduce_dq:
+                            dq = _reduce_add_step(p, tile, wg, step_refs, k_smem, v_smem,
+                                                  ds_smem.at[lax.rem(count, 2)], ds_ready,
+                                                  dk_acc, dv_acc, split, dtype)
+                            # The last step's reduce-add has read the staging buffer.
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            dq_smem.at[wg][...] = dq
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                dq_smem.at[wg],
+                                dq_accum_ref.at[b, h, pl.ds(tile.starts[0], QUERIES),
+                                                pl.ds(wg * dq_dims if split else 0, dq_dims)],
+                                reduction_op="add")
+                        else:
+                            _step(p, tile, wg, step_refs, k_smem, v_smem, dk_acc, dv_acc,
+                                  dtype)
+                        plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(free.at[slot])
-                        # The last step's reduce-add has read the staging buffer.
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        dq_smem.at[wg][...] = dq
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            dq_smem.at[wg],
-                            dq_accum_ref.at[b, h, pl.ds(query_start(owner, partial, step),
-                                                        QUERIES),
-                                                 pl.ds(wg * dq_dims if split else 0, dq_dims)],
-                            reduction_op="add")
 
                     pl.loop(0, partial * halves)(functools.partial(visit, apply_mask=True))
                     if has_full:
@@ -331,12 +357,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                             functools.partial(visit, apply_mask=False))
                     return done + steps * halves
 
-                total = lax.fori_loop(0, p.groups, head, jnp.int32(0))
+                lax.fori_loop(0, p.groups, head, jnp.int32(0))
                 if reduce_dq and split:
                     # The other consumer's last dQ product has read this one's K.
-                    @pl.when(total > 0)
-                    def _():
-                        plgpu.barrier_wait(ds_read)
+                    plgpu.barrier_arrive(dq_done)
+                    plgpu.barrier_wait(dq_done)
                 return dk_acc[...], dv_acc[...]
 
             dk, dv = pl.run_scoped(accumulate, plgpu.ACC((KEYS, p.E), jnp.float32),
@@ -364,9 +389,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
             lax.fori_loop(0, p.groups, head, jnp.int32(0))
 
     transforms = operand_transforms()
-    # dSᵀ of both consumers, their float32 dQ parts, and the barriers that say both have
-    # written dSᵀ and both have read it.
-    staging = ((plgpu.SMEM((CONSUMERS, KEYS, QUERIES), dtype, transforms=transforms),
+    # dSᵀ of both consumers in two buffers (steps alternate), their float32 dQ parts, and the
+    # barriers that say both have written a step's dSᵀ and both have done their last dQ part.
+    staging = ((plgpu.SMEM((2, CONSUMERS, KEYS, QUERIES), dtype, transforms=transforms),
                 plgpu.SMEM((CONSUMERS, QUERIES, dq_dims), jnp.float32,
                            transforms=float32_transforms()),
                 plgpu.Barrier(num_arrivals=CONSUMERS), plgpu.Barrier(num_arrivals=CONSUMERS))

@@ -1,14 +1,15 @@
 """Flex attention forward kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
 
-Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn, the rows
-with the most blocks first (consecutive tiles, or dealt round the programs where a few rows
-hold most of the work: decided per call from the BlockMask's counts), with three warpgroups.
-The producer walks each tile's BlockMask lists (partial blocks, then full ones) and streams
-each listed K/V block into a ring of shared-memory slots with TMA, running on into the next
-tile while the consumers finish this one. The two consumers each own 64 query rows of the
-tile; they compute S = Q·Kᵀ with wgmma, apply score_mod (and mask_mod on partial blocks) to
-the float32 tile in registers, run the online softmax in base 2 and accumulate P·V with
-wgmma, while the next tile's queries load into a second buffer. A schedule barrier alternates the consumers, so one's softmax overlaps the
+Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn:
+consecutive in the paired order (each head's rows heaviest with lightest), or dealt round the
+programs heaviest first where a few rows hold most of the work (decided per call from the
+BlockMask's counts), with three warpgroups. The producer walks each tile's BlockMask lists
+(partial blocks, then full ones) and streams each listed K/V block into a ring of shared-memory
+slots with TMA, running on into the next tile while the consumers finish this one. The two
+consumers each own 64 query rows of the tile; they compute S = Q·Kᵀ with wgmma, apply
+score_mod (and mask_mod on partial blocks) to the float32 tile in registers, run the online
+softmax in base 2 and accumulate P·V with wgmma, while the next tile's queries load into a
+second buffer. A schedule barrier alternates the consumers, so one's softmax overlaps the
 other's matmuls (FlashAttention-3's ping-pong).
 """
 
@@ -24,20 +25,21 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jattn._src import hardware
 from jattn._src.attention.common import Problem
 from jattn._src.attention.pallas_mosaic_gpu import BLOCK, CONSUMERS, ROWS, STAGES
-from jattn._src.attention.pallas_mosaic_gpu_tiles import (CONSUMER_REGISTERS,
+from jattn._src.attention.pallas_mosaic_gpu_tiles import (CONSUMER_REGISTERS, DEALT, PAIRED,
                                                            PRODUCER_REGISTERS, BlockLists,
-                                                           deals, heaviest_first, key_blocks,
-                                                           operand_transforms, stream, tile_of)
+                                                           heaviest_first, key_blocks,
+                                                           operand_transforms, paired,
+                                                           paired_tile_of, stream, tile_of,
+                                                           tile_order)
 from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
-# from one into the next: on the H100, 8 is faster than 1 on full and document masks and no
-# slower on causal ones. Without a BlockMask every tile has the same work, and 16 is a little
-# faster still; with one, rows of unequal work need programs to spare for the hardware to
-# balance (16 is far slower on causal masks, where the programs fit in one wave over the SMs).
+# from one into the next. With a BlockMask, 4 paired tiles (two pairs) balance the programs'
+# work; H100, B4 H16 L4096 D128 causal: 516 / 526 / 488 TFLOP/s with 2 / 4 / 8. Without a
+# BlockMask every tile has the same work, and 16 is a little faster than 8.
 # Numbers: benchmarks/HISTORY.md, "Several tiles per program on the Mosaic forward".
-MAX_TILES_PER_PROGRAM = 8
+MAX_TILES_PER_PROGRAM = 4
 MAX_TILES_PER_PROGRAM_DENSE = 16
 
 
@@ -48,7 +50,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     # per score fewer.
     fold_scale = score_fn is None and p.scale > 0
     factor = p.scale * LOG2_E if fold_scale else LOG2_E
-    list_refs, (order_ref, dealt_ref), (out_ref, lse_ref) = (
+    list_refs, (order_ref, mode_ref), (out_ref, lse_ref) = (
         refs[:n_lists], refs[n_lists:n_lists + 2], refs[-2:])
     n_score, n_mask, _ = n_captures
     score_refs = refs[n_lists + 2:n_lists + 2 + n_score]
@@ -60,16 +62,21 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     program = lax.axis_index("programs")
     tiles = p.B * rows * p.Hq
     programs = -(-tiles // group)
-    dealt = dealt_ref[0] != 0
+    mode = mode_ref[0]
+    dealt = mode == DEALT
     n_tiles = jnp.minimum(group, jnp.where(
         dealt, lax.div(tiles - program + programs - 1, programs), tiles - program * group))
     lists = BlockLists(p, list_refs, has_full)
 
     def tile(i):
-        """(b, h, row) of this program's tile i: `group` consecutive tiles per program, or
-        `dealt` round the programs (program p takes tiles p, p + programs, ...)."""
-        return tile_of(p, order_ref, jnp.where(dealt, i * programs + program,
-                                               program * group + i), rows)
+        """(b, h, row) of this program's tile i in the call's `tile_order`: `group`
+        consecutive tiles per program (one row, heads in turn; or paired), or dealt round the
+        programs (program p takes tiles p, p + programs, ...)."""
+        t = jnp.where(dealt, i * programs + program, program * group + i)
+        if p.dense:
+            return tile_of(p, order_ref, t, rows)
+        return tuple(jnp.where(mode == PAIRED, a, b) for a, b in zip(
+            paired_tile_of(p, order_ref, t, rows), tile_of(p, order_ref, t, rows)))
 
     def slot_of(count):
         return lax.rem(count, jnp.int32(stages))
@@ -250,22 +257,25 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     group = _tiles_per_program(
         tiles, MAX_TILES_PER_PROGRAM_DENSE if p.dense else MAX_TILES_PER_PROGRAM)
     programs = -(-tiles // group)
-    # The rows with the most blocks first, so that the last programs to start are short ones.
-    order = heaviest_first(lists, has_full)
-    # Consecutive tiles (one BlockMask row, heads in turn) share K/V in L2 across the programs
-    # running at once; where rows differ so much in work that the first programs' tiles
-    # outlast the rest, the tiles are dealt instead, so that each program gets one of the
-    # heaviest, one of the next heaviest, and so on (`deals`, decided per call from the
-    # BlockMask's counts). H100, B4 Hq16 Hkv4 L2048 D128 causal: 467 TFLOP/s dealt against
-    # 300 consecutive; full masks lose L2 reuse dealt, L4096 507 against 586. H200, B1 H16
-    # L16384 D128: packed documents of 1k-7k tokens 466 dealt against 384; causal 534 dealt
-    # against 570 and documents of 4k 484 against 524 consecutive.
-    dealt = (jnp.zeros((1,), jnp.int32) if p.dense else
-             deals(lists, has_full, order, tiles=tiles, group=group, sms=hardware.num_sms()))
+    # Programs take their tiles in the order `tile_order` picks per call from the BlockMask's
+    # counts. H100, B4 H16 D128 (TFLOP/s, one run): causal L4096 524 paired against 500 with
+    # one row's tiles of every head in turn (the only consecutive order before), L16384 598
+    # against 566, L2048 472 paired against 434 dealt; B1 H16 L16384: documents of 4k 522
+    # against 495, packed documents of 1k-7k tokens 471 paired against 427 dealt, but a
+    # sliding window of 1024 463 paired against 482 in row order (equal rows: pairing only
+    # scatters neighbouring rows' K/V).
+    heaviest = heaviest_first(lists, has_full)
+    if p.dense:
+        order, mode = heaviest, jnp.zeros((1,), jnp.int32)
+    else:
+        pairs = paired(lists, has_full)
+        mode = tile_order(lists, has_full, heaviest, pairs, batch_heads=(p.B, p.Hq),
+                          group=group, sms=hardware.num_sms())
+        order = jnp.where(mode[0] == PAIRED, pairs, heaviest)
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
                                score_fn=score_fn, mask_fn=mask_fn, keep_fn=keep_fn,
                                dtype=q.dtype, group=group)
-    operands, axes = kernel_operands(q, k, v, *lists, order, dealt, *score_captures,
+    operands, axes = kernel_operands(q, k, v, *lists, order, mode, *score_captures,
                                      *mask_captures, *dropout_tables)
     out, lse = plgpu.kernel(
         kernel,

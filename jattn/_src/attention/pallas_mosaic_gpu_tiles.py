@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -48,6 +49,29 @@ def tile_of(p: Problem, order_ref, t, rows: int):
     return b, h, lax.rem(entry, rows)
 
 
+def paired_tile_of(p: Problem, order_ref, t, rows: int):
+    """(b, h, row) of query tile t in the paired order: batch and head slowest, then the
+    `paired` order of their BlockMask's rows (`rows` per mask batch and head)."""
+    line, j = lax.div(t, rows), lax.rem(t, rows)
+    b, h = lax.div(line, p.Hq), lax.rem(line, p.Hq)
+    mask_line = ((b if p.mask_batch > 1 else 0) * p.mask_heads
+                 + (h if p.mask_heads > 1 else 0))
+    return b, h, order_ref[mask_line * rows + j]
+
+
+def paired(lists, has_full: bool):
+    """The int32 order, per mask batch and head, of a kernel's BlockMask rows taken in pairs:
+    the heaviest and the lightest, then the second heaviest and the second lightest, and so
+    on. Consecutive pairs carry about equal work (a causal mask's pairs exactly), and the
+    programs running at once read the K/V of a few heads, which stay in L2."""
+    steps = lists[0] + lists[2] if has_full else lists[0]
+    rows = steps.shape[-1]
+    j = np.arange(rows)
+    position = np.where(j % 2 == 0, j // 2, rows - 1 - j // 2)
+    by_weight = jnp.argsort(-steps, axis=-1, stable=True)
+    return by_weight[..., position].reshape(-1).astype(jnp.int32)
+
+
 def heaviest_first(lists, has_full: bool, summed_axes: tuple[int, ...] = ()):
     """The int32 order of a kernel's BlockMask lines (one orientation's [counts, indices, full
     counts, full indices]), the lines with the most blocks first (stable), after summing the
@@ -58,22 +82,43 @@ def heaviest_first(lists, has_full: bool, summed_axes: tuple[int, ...] = ()):
     return jnp.argsort(-steps.reshape(-1), stable=True).astype(jnp.int32)
 
 
-def deals(lists, has_full: bool, order, *, tiles: int, group: int, sms: int):
-    """Whether programs of `group` tiles each should take them dealt (program p: tiles p,
-    p + programs, ...) rather than consecutive in `order` (heaviest rows first): int32 [1]
-    holding 1 or 0, from the BlockMask's counts, by the time each would take. Consecutive
-    tiles share K/V in L2 across the programs running at once, but the first programs'
-    heaviest tiles outlast the rest when a few rows hold most of the work (packed documents of
-    unequal lengths); dealt programs take about equal work. A tile counts its blocks plus one
-    (loading its queries, storing its output)."""
-    steps = (lists[0] + lists[2] if has_full else lists[0]).reshape(-1)
+# The forward's tile orders (`tile_order`): consecutive tiles in the heaviest-first order of
+# rows, heads in turn; dealt round the programs in that order; consecutive in the paired order.
+CONSECUTIVE, DEALT, PAIRED = 0, 1, 2
+# Rows whose blocks vary by more than this (standard deviation over mean) are paired.
+UNEVEN_ROWS = 0.25
+
+
+def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, int],
+               group: int, sms: int):
+    """How programs of `group` tiles each take them: int32 [1] holding CONSECUTIVE, DEALT or
+    PAIRED, from the BlockMask's counts. Where rows differ in work (causal, documents), paired
+    tiles (`paired`: heaviest with lightest, head by head) balance the programs and keep a
+    few heads' K/V in L2; where they have about equal work (full, sliding windows), the rows
+    in order with the heads in turn keep neighbouring rows' K/V in L2 instead. Either gives
+    way to dealing (program p takes tiles p, p + programs, ... heaviest first) where that is
+    clearly faster by the time each would take, as where a few rows hold most of the work in
+    one wave of programs. A tile counts its blocks plus one (loading its queries, storing its
+    output)."""
+    steps = ((lists[0] + lists[2] if has_full else lists[0]) + 1).astype(jnp.float32)
+    batch, heads = batch_heads
+    tiles = batch * heads * steps.shape[-1]
     programs = -(-tiles // group)
-    work = jnp.zeros(programs * group, jnp.float32).at[:tiles].set(jnp.repeat(
-        steps[order].astype(jnp.float32) + 1.0, tiles // steps.size, total_repeat_length=tiles))
-    consecutive = _makespan(work.reshape(programs, group).sum(axis=1), sms)
-    dealt = _makespan(work.reshape(group, programs).sum(axis=0), sms)
+
+    def padded(work):
+        return jnp.zeros(programs * group, jnp.float32).at[:tiles].set(work.reshape(-1))
+
+    uneven = steps.std() > UNEVEN_ROWS * steps.mean()
+    paired_work = jnp.broadcast_to(steps.reshape(-1)[pairs].reshape(steps.shape),
+                                   (batch, heads, steps.shape[-1]))
+    heaviest_work = jnp.repeat(steps.reshape(-1)[order], tiles // steps.size,
+                               total_repeat_length=tiles)
+    consecutive = _makespan(padded(jnp.where(uneven, paired_work.reshape(-1), heaviest_work))
+                            .reshape(programs, group).sum(axis=1), sms)
+    dealt = _makespan(padded(heaviest_work).reshape(group, programs).sum(axis=0), sms)
     # Dealing gives up some L2 reuse: it must be clearly faster.
-    return (1.05 * dealt < consecutive).astype(jnp.int32).reshape(1)
+    mode = jnp.where(1.05 * dealt < consecutive, DEALT, jnp.where(uneven, PAIRED, CONSECUTIVE))
+    return mode.astype(jnp.int32).reshape(1)
 
 
 def _makespan(program_work, sms: int):
