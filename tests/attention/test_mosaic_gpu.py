@@ -340,9 +340,10 @@ def test_the_forward_orders_tiles_by_the_rows_work(B, H, L, mask, order):
     lists = jattn.create_block_mask(mask, None, None, L, L).lists()
     arrays = (lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
               lists.full_kv_indices)
-    group = fwd._tiles_per_program(B * H * L // 128, fwd.MAX_TILES_PER_PROGRAM)
+    groups = tuple(fwd._tiles_per_program(B * H * L // 128, most) for most in (
+        fwd.MAX_TILES_PER_PROGRAM_PAIRED, fwd.MAX_TILES_PER_PROGRAM))
     chosen = tiles.tile_order(arrays, True, tiles.heaviest_first(arrays, True),
-                              tiles.paired(arrays, True), batch_heads=(B, H), group=group,
+                              tiles.paired(arrays, True), batch_heads=(B, H), groups=groups,
                               sms=132)
     assert int(chosen[0]) == getattr(tiles, order.upper())
 
@@ -511,17 +512,20 @@ def _window_by_head(b, h, q_idx, kv_idx):  # causal, 128 (h + 1) keys back: work
 
 @gpu
 @pytest.mark.parametrize("B, Hq, Hkv, E, dtype, score_mod, mask_mod, heads, sms", [
-    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),  # dealt, 2 a program
+    # The order and tiles a program; a grid sized for the paired order's tiles a program
+    # leaves programs idle in the others.
+    (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),  # dealt, 7 (14 idle)
     (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 7),  # paired, 3
     (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None, 3),  # paired, 1
     (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 10),  # paired by batch and head, 4
-    (2, 4, 2, 64, jnp.float16, None, lambda b, h, q_idx, kv_idx: q_idx >= 0, None, 3),  # rows
+    (2, 4, 2, 64, jnp.float16, None, lambda b, h, q_idx, kv_idx: q_idx >= 0, None,
+     3),  # rows in order, heads in turn, 7 (14 idle)
     (2, 8, 4, 128, jnp.bfloat16, None, None, None, 3),  # no BlockMask: up to 16 tiles, 9 here
 ])
 def test_programs_walking_several_tiles_match_the_golden(monkeypatch, B, Hq, Hkv, E, dtype,
                                                          score_mod, mask_mod, heads, sms):
     """With few SMs for the tiles (3 to 10 here, 20-80 tiles of 640 queries), each program
-    walks up to four tiles (nine without a BlockMask), the last program fewer: its K/V ring
+    walks up to seven tiles (nine without a BlockMask), the last program fewer: its K/V ring
     and query buffers run on from one tile into the next. `tile_order` decides per call how
     the programs take them (the comments say which it picks): dealt round the programs,
     paired (per mask batch and head where the mask has them), or rows in order, heads in

@@ -35,16 +35,18 @@ from jattn._src.constants import LOG2_E, MASK_VALUE
 from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 
 # Tiles per program at most. A program walks several tiles so that its K/V pipeline runs on
-# from one into the next. With a BlockMask, 4 paired tiles (two pairs) balance the programs'
-# work; H100, B4 H16 L4096 D128 causal: 516 / 526 / 488 TFLOP/s with 2 / 4 / 8. Without a
-# BlockMask every tile has the same work, and 16 is a little faster than 8.
+# from one into the next. H100 (TFLOP/s): in the paired order two pairs balance best, B4 H16
+# L4096 D128 causal 516 / 526 / 488 with 2 / 4 / 8 tiles; with rows in order, heads in turn,
+# 8 beat 4 (a sliding window of 1024 at L16384: 482 against 458) and 1 (full and document
+# masks). Without a BlockMask every tile has the same work, and 16 is a little faster still.
 # Numbers: benchmarks/HISTORY.md, "Several tiles per program on the Mosaic forward".
-MAX_TILES_PER_PROGRAM = 4
+MAX_TILES_PER_PROGRAM = 8
+MAX_TILES_PER_PROGRAM_PAIRED = 4
 MAX_TILES_PER_PROGRAM_DENSE = 16
 
 
 def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, score_fn,
-            mask_fn, keep_fn, dtype, group: int):
+            mask_fn, keep_fn, dtype, groups: tuple[int, int]):
     n_lists = 4 if has_full else 2
     # Without a score_mod a positive scale folds into the exponent's factor: one multiply
     # per score fewer.
@@ -61,11 +63,14 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
     rows = p.L // block_q
     program = lax.axis_index("programs")
     tiles = p.B * rows * p.Hq
-    programs = -(-tiles // group)
     mode = mode_ref[0]
     dealt = mode == DEALT
-    n_tiles = jnp.minimum(group, jnp.where(
-        dealt, lax.div(tiles - program + programs - 1, programs), tiles - program * group))
+    # Tiles per program by the order (`groups`: paired, other); the grid has programs for
+    # the smaller, and those beyond the larger's count take none.
+    group = jnp.where(mode == PAIRED, *groups)
+    programs = lax.div(tiles + group - 1, group)
+    n_tiles = jnp.where(program < programs, jnp.minimum(group, jnp.where(
+        dealt, lax.div(tiles - program + programs - 1, programs), tiles - program * group)), 0)
     lists = BlockLists(p, list_refs, has_full)
 
     def tile(i):
@@ -106,7 +111,7 @@ def _kernel(q_ref, k_ref, v_ref, *refs, p: Problem, has_full: bool, n_captures, 
                 return plgpu.layout_cast(jnp.full((ROWS,), value, jnp.float32),
                                          plgpu.Layout.WGMMA.reduce(1))
 
-            load_q(0)
+            pl.when(n_tiles > 0)(lambda: load_q(0))
 
             def one_tile(i, done):
                 """Local tile i, after `done` K/V blocks: its output and LSE."""
@@ -254,27 +259,28 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     """
     n_captures = (len(score_captures), len(mask_captures), len(dropout_tables))
     tiles = p.B * (p.L // BLOCK[0]) * p.Hq
-    group = _tiles_per_program(
-        tiles, MAX_TILES_PER_PROGRAM_DENSE if p.dense else MAX_TILES_PER_PROGRAM)
-    programs = -(-tiles // group)
     # Programs take their tiles in the order `tile_order` picks per call from the BlockMask's
     # counts. H100, B4 H16 D128 (TFLOP/s, one run): causal L4096 524 paired against 500 with
     # one row's tiles of every head in turn (the only consecutive order before), L16384 598
     # against 566, L2048 472 paired against 434 dealt; B1 H16 L16384: documents of 4k 522
-    # against 495, packed documents of 1k-7k tokens 471 paired against 427 dealt, but a
-    # sliding window of 1024 463 paired against 482 in row order (equal rows: pairing only
-    # scatters neighbouring rows' K/V).
+    # against 495, packed documents of 1k-7k tokens 471 paired against 427 dealt; rows of
+    # equal work keep rows in order, heads in turn (sliding window 1024: 482 against 463
+    # paired; with 4 tiles a program instead of 8, 458, and a full BlockMask 541 against 583).
     heaviest = heaviest_first(lists, has_full)
     if p.dense:
-        order, mode = heaviest, jnp.zeros((1,), jnp.int32)
+        group = _tiles_per_program(tiles, MAX_TILES_PER_PROGRAM_DENSE)
+        groups, order, mode = (group, group), heaviest, jnp.zeros((1,), jnp.int32)
     else:
+        groups = (_tiles_per_program(tiles, MAX_TILES_PER_PROGRAM_PAIRED),
+                  _tiles_per_program(tiles, MAX_TILES_PER_PROGRAM))
         pairs = paired(lists, has_full)
         mode = tile_order(lists, has_full, heaviest, pairs, batch_heads=(p.B, p.Hq),
-                          group=group, sms=hardware.num_sms())
+                          groups=groups, sms=hardware.num_sms())
         order = jnp.where(mode[0] == PAIRED, pairs, heaviest)
+    programs = -(-tiles // min(groups))
     kernel = functools.partial(_kernel, p=p, has_full=has_full, n_captures=n_captures,
                                score_fn=score_fn, mask_fn=mask_fn, keep_fn=keep_fn,
-                               dtype=q.dtype, group=group)
+                               dtype=q.dtype, groups=groups)
     operands, axes = kernel_operands(q, k, v, *lists, order, mode, *score_captures,
                                      *mask_captures, *dropout_tables)
     out, lse = plgpu.kernel(

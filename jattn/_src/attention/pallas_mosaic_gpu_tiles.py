@@ -90,9 +90,9 @@ UNEVEN_ROWS = 0.25
 
 
 def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, int],
-               group: int, sms: int):
-    """How programs of `group` tiles each take them: int32 [1] holding CONSECUTIVE, DEALT or
-    PAIRED, from the BlockMask's counts. Where rows differ in work (causal, documents), paired
+               groups: tuple[int, int], sms: int):
+    """How programs take the tiles: int32 [1] holding CONSECUTIVE, DEALT or PAIRED, from the
+    BlockMask's counts (`groups`: tiles per program paired, and otherwise). Where rows differ in work (causal, documents), paired
     tiles (`paired`: heaviest with lightest, head by head) balance the programs and keep a
     few heads' K/V in L2; where they have about equal work (full, sliding windows), the rows
     in order with the heads in turn keep neighbouring rows' K/V in L2 instead. Either gives
@@ -103,19 +103,23 @@ def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, i
     steps = ((lists[0] + lists[2] if has_full else lists[0]) + 1).astype(jnp.float32)
     batch, heads = batch_heads
     tiles = batch * heads * steps.shape[-1]
-    programs = -(-tiles // group)
 
-    def padded(work):
-        return jnp.zeros(programs * group, jnp.float32).at[:tiles].set(work.reshape(-1))
+    def programs(work, group, dealt=False):
+        """Each program's work: `group` consecutive tiles of `work`, or dealt round them."""
+        count = -(-tiles // group)
+        work = jnp.zeros(count * group, jnp.float32).at[:tiles].set(work.reshape(-1))
+        return (work.reshape(group, count).sum(axis=0) if dealt
+                else work.reshape(count, group).sum(axis=1))
 
     uneven = steps.std() > UNEVEN_ROWS * steps.mean()
     paired_work = jnp.broadcast_to(steps.reshape(-1)[pairs].reshape(steps.shape),
                                    (batch, heads, steps.shape[-1]))
     heaviest_work = jnp.repeat(steps.reshape(-1)[order], tiles // steps.size,
                                total_repeat_length=tiles)
-    consecutive = _makespan(padded(jnp.where(uneven, paired_work.reshape(-1), heaviest_work))
-                            .reshape(programs, group).sum(axis=1), sms)
-    dealt = _makespan(padded(heaviest_work).reshape(group, programs).sum(axis=0), sms)
+    paired_group, group = groups
+    consecutive = jnp.where(uneven, _makespan(programs(paired_work, paired_group), sms),
+                            _makespan(programs(heaviest_work, group), sms))
+    dealt = _makespan(programs(heaviest_work, group, dealt=True), sms)
     # Dealing gives up some L2 reuse: it must be clearly faster.
     mode = jnp.where(1.05 * dealt < consecutive, DEALT, jnp.where(uneven, PAIRED, CONSECUTIVE))
     return mode.astype(jnp.int32).reshape(1)
