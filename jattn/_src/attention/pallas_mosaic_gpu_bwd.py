@@ -242,8 +242,8 @@ def _reduce_add_step(p: Problem, tile: _Tile, wg, step_refs, k_smem, v_smem, ds_
     """A consumer's dK/dV step that also computes its part of the step's dQ (float32,
     returned), in FlashAttention-3's order: Sᵀ and dPᵀ issued together (Pᵀ computed while dPᵀ
     runs), dSᵀ staged in shared memory, dV issued, then, once both consumers' dSᵀ are staged
-    (split by head dims), dQ and dK; dK left in flight. The two consumers run in lockstep, so
-    each keeps the tensor cores busy from its own queue."""
+    (split by head dims), dQ and dK; dK left in flight. Split, the consumers meet at the dSᵀ
+    barrier every step, in lockstep (what that costs: benchmarks/HISTORY.md, session 36)."""
     lse_ref, delta_ref, q_tile, do_tile = step_refs
     dims = p.E // CONSUMERS if split else p.E
 

@@ -1,9 +1,10 @@
 """Flex attention forward kernel on Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
 
-Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn:
-consecutive in the paired order (each head's rows heaviest with lightest), or dealt round the
-programs heaviest first where a few rows hold most of the work (decided per call from the
-BlockMask's counts), with three warpgroups. The producer walks each tile's BlockMask lists
+Each program takes a few 128-query tiles (batch, BlockMask row, query head) in turn, in the
+order `tile_order` picks per call from the BlockMask's counts: one row's tiles of every head
+in turn (rows of about equal work), each head's rows paired heaviest with lightest (rows of
+unequal work), or dealt round the programs heaviest first (a few rows holding most of the
+work). Each program has three warpgroups. The producer walks each tile's BlockMask lists
 (partial blocks, then full ones) and streams each listed K/V block into a ring of shared-memory
 slots with TMA, running on into the next tile while the consumers finish this one. The two
 consumers each own 64 query rows of the tile; they compute S = Q·Kᵀ with wgmma, apply
