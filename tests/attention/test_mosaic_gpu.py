@@ -348,6 +348,22 @@ def test_the_forward_orders_tiles_by_the_rows_work(B, H, L, mask, order):
     assert int(chosen[0]) == getattr(tiles, order.upper())
 
 
+@pytest.mark.parametrize("sms, order", [(5, "paired"), (10, "dealt")])
+def test_the_order_costs_each_mask_heads_rows(sms, order):
+    """Per-head masks (a window of 128 (h + 1) keys): each mask batch and head's paired rows
+    are costed with their own blocks (at 10 SMs, 1.05x dealing beats pairing by those, not by
+    the first head's)."""
+    from jattn._src.attention import pallas_mosaic_gpu_tiles as tiles
+    lists = jattn.create_block_mask(_window_by_head, 2, 4, 640, 640).lists()
+    arrays = (lists.kv_num_blocks, lists.kv_indices, lists.full_kv_num_blocks,
+              lists.full_kv_indices)
+    groups = {5: (4, 8), 10: (4, 4)}[sms]  # `_tiles_per_program` of 40 tiles on those SMs
+    chosen = tiles.tile_order(arrays, True, tiles.heaviest_first(arrays, True),
+                              tiles.paired(arrays, True), batch_heads=(2, 4), groups=groups,
+                              sms=sms)
+    assert int(chosen[0]) == getattr(tiles, order.upper())
+
+
 def test_paired_rows_alternate_heaviest_and_lightest():
     """Each mask head's rows by work, heaviest with lightest: a causal mask's pairs sum
     equally."""
@@ -517,7 +533,7 @@ def _window_by_head(b, h, q_idx, kv_idx):  # causal, 128 (h + 1) keys back: work
     (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 3),  # dealt, 7 (14 idle)
     (2, 4, 2, 64, jnp.float16, None, jattn.masks.causal_mask, None, 7),  # paired, 3
     (1, 4, 4, 128, jnp.bfloat16, _softcap, _first_block_row_empty, None, 3),  # paired, 1
-    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 10),  # paired by batch and head, 4
+    (2, 4, 4, 64, jnp.float16, None, _window_by_head, 4, 5),  # paired by batch and head, 4
     (2, 4, 2, 64, jnp.float16, None, lambda b, h, q_idx, kv_idx: q_idx >= 0, None,
      3),  # rows in order, heads in turn, 7 (14 idle)
     (2, 8, 4, 128, jnp.bfloat16, None, None, None, 3),  # no BlockMask: up to 16 tiles, 9 here

@@ -112,8 +112,10 @@ def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, i
                 else work.reshape(count, group).sum(axis=1))
 
     uneven = steps.std() > UNEVEN_ROWS * steps.mean()
-    paired_work = jnp.broadcast_to(steps.reshape(-1)[pairs].reshape(steps.shape),
-                                   (batch, heads, steps.shape[-1]))
+    # `pairs` holds row numbers within each mask batch and head.
+    paired_work = jnp.broadcast_to(
+        jnp.take_along_axis(steps, pairs.reshape(steps.shape), axis=-1),
+        (batch, heads, steps.shape[-1]))
     heaviest_work = jnp.repeat(steps.reshape(-1)[order], tiles // steps.size,
                                total_repeat_length=tiles)
     paired_group, group = groups
