@@ -69,6 +69,27 @@ def test_mm_plus_mm_autotune_times_mm_plus_mm(tmp_path, monkeypatch):
     assert list(json.loads((tmp_path / "autotune.json").read_text())) == ["mm_plus_mm"]
 
 
+def test_bmm_autotune_times_the_whole_batch_and_keys_it(tmp_path, monkeypatch):
+    """A bmm's tuning times its batch of products in one call and caches the winner apart
+    from a single product's (a batch fills the GPU with smaller tiles)."""
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    timed = []
+
+    def one_candidate(candidates, make_run, *, desc):
+        timed.append(jax.make_jaxpr(make_run(candidates[0]))())
+        return candidates[0], [(candidates[0], 1.0)]
+
+    monkeypatch.setattr(autotune, "autotune", one_candidate)
+    a, b = jnp.ones((6, 32, 16), jnp.float32), jnp.ones((6, 16, 8), jnp.float32)
+    jattn.bmm(a, b, config="autotune", implementation="interpret")
+    jattn.matmul(a[0], b[0], config="autotune", implementation="interpret")
+    batched, single = (str(jaxpr) for jaxpr in timed)
+    assert "f32[6,32,8]" in batched and "f32[6,32,8]" not in single
+    stored = json.loads((tmp_path / "autotune.json").read_text())
+    assert [key.endswith("|batch8") for key in stored["bmm"]] == [True]
+    assert [key.endswith("|batch8") for key in stored["matmul"]] == [False]
+
+
 @pytest.mark.parametrize("m,n,k,dtype", [(8192, 8192, 8192, jnp.bfloat16), (16, 8192, 8192,
                                           jnp.bfloat16), (100, 70, 90, jnp.float32)])
 def test_search_space_is_valid_and_fits_shared_memory(m, n, k, dtype):

@@ -146,10 +146,11 @@ RunMaker = Callable[[Config], Callable[[], Any]]
 
 
 def _cache_key(implementation: Implementation, m: int, n: int, k: int, dtype: jnp.dtype,
-               fast_accum: bool = False) -> str:
+               fast_accum: bool = False, batch: int = 1) -> str:
     bucket = "x".join(str(next_power_of_two(d)) for d in (m, n, k))
     return (f"{implementation.name}|{hardware.device_kind()}|{bucket}|"
-            f"{jnp.dtype(dtype).name}" + ("|fast_accum" if fast_accum else ""))
+            f"{jnp.dtype(dtype).name}" + ("|fast_accum" if fast_accum else "")
+            + (f"|batch{next_power_of_two(batch)}" if batch > 1 else ""))
 
 
 def random_operand(shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
@@ -157,11 +158,15 @@ def random_operand(shape: tuple[int, ...], dtype, seed: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
-def _matmul_runs(implementation: Implementation, m: int, n: int, k: int, dtype) -> RunMaker:
-    a, b = random_operand((m, k), dtype, 0), random_operand((k, n), dtype, 1)
+def _matmul_runs(implementation: Implementation, m: int, n: int, k: int, dtype,
+                 batch: int = 1) -> RunMaker:
+    """`batch` products in one launch (bmm: vmapped) where batch > 1."""
+    lead = (batch,) if batch > 1 else ()
+    a, b = random_operand((*lead, m, k), dtype, 0), random_operand((*lead, k, n), dtype, 1)
 
     def make_run(config: Config):
-        run = jax.jit(functools.partial(_product, implementation, config, dtype))
+        product = functools.partial(_product, implementation, config, dtype)
+        run = jax.jit(jax.vmap(product) if lead else product)
         return lambda: run(a, b)
 
     return make_run
@@ -179,24 +184,26 @@ def choose_config(op: str, implementation: Implementation, config: Config | str 
                   split_k: bool = True, fast_accum: bool = False, batch: int = 1) -> Config:
     """The config of one `op` product on a kernel implementation: the caller's as given; else
     the op's cached tuning result; else (config="autotune") the search space timed now on
-    this device with `runs` (default: matmul's) and the winner cached under (op,
-    implementation, device, shape bucket, dtype, fast_accum); else the heuristic.
+    this device with `runs` (default: matmul's, the whole batch in one launch) and the winner
+    cached under (op, implementation, device, shape bucket, dtype, fast_accum, batch bucket);
+    else the heuristic.
     split_k=False: the op's kernel cannot split K (a cached or heuristic config runs with
     split_k = 1). fast_accum: fp8 accumulated by the tensor cores throughout (tiles that
     promote partial sums need not fit). batch: products of this shape in one launch (bmm).
     """
     if isinstance(config, implementation.config_class):
         return config
-    key = _cache_key(implementation, m, n, k, dtype, fast_accum)
+    key = _cache_key(implementation, m, n, k, dtype, fast_accum, batch)
     cached = cache.lookup(op, key)
     if cached is not None:
         chosen = implementation.config_class(**cached)
     elif config == "autotune":
-        candidates = implementation.search_space(m, n, k, dtype, fast_accum=fast_accum)
+        candidates = implementation.search_space(m, n, k, dtype, fast_accum=fast_accum,
+                                                 batch=batch)
         if not split_k:
             candidates = list(dict.fromkeys(dataclasses.replace(c, split_k=1)
                                             for c in candidates))
-        make_run = runs or _matmul_runs(implementation, m, n, k, dtype)
+        make_run = runs or _matmul_runs(implementation, m, n, k, dtype, batch)
         chosen, _ = autotune.autotune(
             candidates, make_run,
             desc=f"jattn: tuning {op} {m}x{n}x{k} {jnp.dtype(dtype).name}")

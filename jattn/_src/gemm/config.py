@@ -142,10 +142,10 @@ def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
     return dataclasses.replace(config, block_k=max(config.block_k, 32 if bits == 4 else 16))
 
 
-def search_space(m: int, n: int, k: int, dtype: np.dtype,
-                 fast_accum: bool = False) -> list[MatmulConfig]:
+def search_space(m: int, n: int, k: int, dtype: np.dtype, fast_accum: bool = False,
+                 batch: int = 1) -> list[MatmulConfig]:
     """Candidate configs for the autotuner, fitted to the shape and to shared memory (whatever
-    fp8's accumulation mode)."""
+    fp8's accumulation mode or the number of products in a launch)."""
     itemsize = np.dtype(dtype).itemsize
     if m <= 64:
         tiles = itertools.product((16, 32, 64), (32, 64, 128), (128, 256, 512), (4,), (3, 4, 6))
@@ -298,9 +298,10 @@ def heuristic_mosaic_config(m: int, n: int, k: int, dtype: np.dtype, fast_accum:
     return _deepest(config, np.dtype(dtype).itemsize, k)
 
 
-def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype,
-                        fast_accum: bool = False) -> list[MosaicMatmulConfig]:
-    """Candidate Mosaic GEMM configs: the tiles that divide [m, n], stages, tile orders."""
+def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype, fast_accum: bool = False,
+                        batch: int = 1) -> list[MosaicMatmulConfig]:
+    """Candidate Mosaic GEMM configs: the tiles that divide [m, n], stages, tile orders, and
+    the heuristic's choice for `batch` products in a launch."""
     itemsize = np.dtype(dtype).itemsize
     candidates = []
     for (block_m, block_n, split), stages, minor, group in itertools.product(
@@ -312,7 +313,7 @@ def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype,
                                     split=split, minor=minor, group=group)
         if config.shared_memory_bytes(itemsize) <= SHARED_MEMORY_BYTES:
             candidates.append(config)
-    heuristic = heuristic_mosaic_config(m, n, k, dtype, fast_accum)
+    heuristic = heuristic_mosaic_config(m, n, k, dtype, fast_accum, batch)
     return candidates + [heuristic] * (heuristic not in candidates)
 
 
