@@ -92,14 +92,14 @@ UNEVEN_ROWS = 0.25
 def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, int],
                groups: tuple[int, int], sms: int):
     """How programs take the tiles: int32 [1] holding CONSECUTIVE, DEALT or PAIRED, from the
-    BlockMask's counts (`groups`: tiles per program paired, and otherwise). Where rows differ in work (causal, documents), paired
-    tiles (`paired`: heaviest with lightest, head by head) balance the programs and keep a
-    few heads' K/V in L2; where they have about equal work (full, sliding windows), the rows
-    in order with the heads in turn keep neighbouring rows' K/V in L2 instead. Either gives
-    way to dealing (program p takes tiles p, p + programs, ... heaviest first) where that is
-    clearly faster by the time each would take, as where a few rows hold most of the work in
-    one wave of programs. A tile counts its blocks plus one (loading its queries, storing its
-    output)."""
+    BlockMask's counts (`groups`: tiles per program paired, and otherwise). Where rows differ
+    in work (causal, documents), paired tiles (`paired`: heaviest with lightest, head by head)
+    balance the programs and keep a few heads' K/V in L2; where they have about equal work
+    (full, sliding windows), the rows in order with the heads in turn keep neighbouring rows'
+    K/V in L2 instead. Either gives way to dealing (program p takes tiles p, p + programs, ...
+    heaviest first) where that is clearly faster by the time each would take, as where a few
+    rows hold most of the work in one wave of programs. A tile counts its blocks plus one
+    (loading its queries, storing its output)."""
     steps = ((lists[0] + lists[2] if has_full else lists[0]) + 1).astype(jnp.float32)
     batch, heads = batch_heads
     tiles = batch * heads * steps.shape[-1]
