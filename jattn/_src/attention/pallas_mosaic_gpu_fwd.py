@@ -40,7 +40,7 @@ from jattn._src.mesh_axes import kernel_operands, kernel_results, out_struct
 # L4096 D128 causal 516 / 526 / 488 with 2 / 4 / 8 tiles; with rows in order, heads in turn,
 # 8 beat 4 (a sliding window of 1024 at L16384: 482 against 458) and 1 (full and document
 # masks). Without a BlockMask every tile has the same work, and 16 is a little faster still.
-# Numbers: benchmarks/HISTORY.md, "Several tiles per program on the Mosaic forward".
+# Numbers: benchmarks/HISTORY.md, "Several tiles per program on the Mosaic forward", session 36.
 MAX_TILES_PER_PROGRAM = 8
 MAX_TILES_PER_PROGRAM_PAIRED = 4
 MAX_TILES_PER_PROGRAM_DENSE = 16
