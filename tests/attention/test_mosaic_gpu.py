@@ -364,6 +364,28 @@ def test_the_order_costs_each_mask_heads_rows(sms, order):
     assert int(chosen[0]) == getattr(tiles, order.upper())
 
 
+@pytest.mark.parametrize("mask_batch, mask_heads", [(1, 1), (2, 1), (1, 3), (2, 3)])
+def test_paired_tiles_visit_every_batch_head_and_row_once(mask_batch, mask_heads):
+    """The forward's paired order: tile t is (b, h, row) with batch and head slowest and each
+    mask line's rows in `paired`'s order; every tile is visited once."""
+    import types
+    from jattn._src.attention.pallas_mosaic_gpu_tiles import paired, paired_tile_of
+    B, Hq, rows = 2, 3, 5
+    counts = jnp.asarray(np.random.default_rng(0).integers(0, 9, (mask_batch, mask_heads, rows)),
+                         jnp.int32)
+    order = paired((counts, None), has_full=False)
+    p = types.SimpleNamespace(B=B, Hq=Hq, mask_batch=mask_batch, mask_heads=mask_heads)
+    tiles = [tuple(int(x) for x in paired_tile_of(p, order, jnp.int32(t), rows))
+             for t in range(B * Hq * rows)]
+    assert sorted(tiles) == [(b, h, r) for b in range(B) for h in range(Hq) for r in range(rows)]
+    lines = np.asarray(order).reshape(mask_batch, mask_heads, rows)
+    for b in range(B):
+        for h in range(Hq):
+            visited = [r for (tb, th, r) in tiles if (tb, th) == (b, h)]
+            expected = lines[b if mask_batch > 1 else 0, h if mask_heads > 1 else 0]
+            np.testing.assert_array_equal(visited, expected)
+
+
 def test_paired_rows_alternate_heaviest_and_lightest():
     """Each mask head's rows by work, heaviest with lightest: a causal mask's pairs sum
     equally."""
