@@ -513,24 +513,28 @@ class _DropoutFlex(torch.autograd.Function):
     """flex attention with dropout of the weights, eager: JAX's programs through DLPack, the
     seed an int32[2] tensor drawn from torch's generator (`flex_attention_dropout`). Out, LSE,
     the views of q, k, v, the seed, the mask lists and the captures are kept for the backward
-    as JAX arrays."""
+    as JAX arrays. With want_max, also each row's largest score (before dropout, as without
+    it; not differentiable)."""
 
     @staticmethod
-    def forward(ctx, static, rate, masks, q, k, v, seed, *captures):
+    def forward(ctx, static, rate, want_max, masks, q, k, v, seed, *captures):
         device, leading, lists, capture_arrays = ready_op_views(
             "flex_attention", _DROPOUT_TENSORS, (q, k, v, seed), masks, captures)
         facts = {**flex_facts(leading[0], leading[2], static[0], capture_arrays),
                  "dropout": True}
         options = _flex_static(device, facts, *static)
-        forward, backward = _dropout_programs(rate, **options)
-        out, lse = run(forward, device, *leading, lists, capture_arrays)
+        forward, backward = _dropout_programs(rate, want_max, **options)
+        out, lse, *largest = run(forward, device, *leading, lists, capture_arrays)
         ctx.arrays, ctx.lists, ctx.captures = (*leading, out, lse), lists, capture_arrays
         ctx.backward = backward
         ctx.save_for_backward(*captures)  # (checks that none changed in place)
-        return to_torch(out, device), to_torch(lse, device).clone()
+        results = (to_torch(out, device), to_torch(lse, device).clone(),
+                   *(to_torch(x, device).clone() for x in largest))
+        ctx.mark_non_differentiable(*results[2:])
+        return results
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
+    def backward(ctx, d_out, d_lse, *d_largest):
         captures = ctx.saved_tensors
         with x64_scope(d_out):
             device, cotangents = ready_views("flex_attention", (d_out, d_lse),
@@ -539,21 +543,22 @@ class _DropoutFlex(torch.autograd.Function):
                 ctx.backward, device, *cotangents, *ctx.arrays, ctx.lists, ctx.captures)])
         dq, dk, dv = next(grads), next(grads), next(grads)
         d_captures = [next(grads) if c.is_floating_point() else None for c in captures]
-        return None, None, None, dq, dk, dv, None, *d_captures
+        return None, None, None, None, dq, dk, dv, None, *d_captures
 
 
 _DROPOUT_TENSORS = ("q", "k", "v", "dropout seed")
 
 
 @functools.lru_cache(maxsize=64)
-def _dropout_programs(rate: float, **static) -> tuple[Callable, Callable]:
-    """The jitted forward (q, k, v, seed, mask arrays, captures) -> (out, lse) and backward
-    (d_out, d_lse, q, k, v, seed, out, lse, mask arrays, captures) -> gradients of flex
-    attention with dropout at `rate`, the seed an argument."""
+def _dropout_programs(rate: float, want_max: bool, **static) -> tuple[Callable, Callable]:
+    """The jitted forward (q, k, v, seed, mask arrays, captures) -> (out, lse), with want_max
+    (out, lse, largest scores), and backward (d_out, d_lse, q, k, v, seed, out, lse, mask
+    arrays, captures) -> gradients of flex attention with dropout at `rate`, the seed an
+    argument."""
     def forward(q, k, v, seed, mask_arrays, captures):
         return _flex_call(bridge.flex_attention, False, **static)(
             q, k, v, mask_arrays=mask_arrays, capture_arrays=captures, return_lse=True,
-            dropout=bridge.Dropout(rate, seed))
+            return_max_scores=want_max, dropout=bridge.Dropout(rate, seed))
 
     def backward(d_out, d_lse, q, k, v, seed, out, lse, mask_arrays, captures):
         return _flex_backward(d_out, d_lse, q, k, v, out, lse, mask_arrays, captures, None,
@@ -563,14 +568,16 @@ def _dropout_programs(rate: float, **static) -> tuple[Callable, Callable]:
 
 
 @torch.compiler.disable  # under torch.compile: a graph break, the call run eagerly
-def flex_attention_dropout(q, k, v, masks, captures, static, rate: float):
-    """(out, lse) of flex attention with dropout at `rate` of the weights (eager): the seed
-    drawn from torch's generator of q's device, so torch.manual_seed makes a call repeat.
-    masks: every mask list (MASK_FIELDS order); static: the op's trailing arguments."""
+def flex_attention_dropout(q, k, v, masks, captures, static, rate: float,
+                           want_max: bool = False):
+    """(out, lse) of flex attention with dropout at `rate` of the weights (eager), with
+    want_max (out, lse, each row's largest score): the seed drawn from torch's generator of
+    q's device, so torch.manual_seed makes a call repeat. masks: every mask list (MASK_FIELDS
+    order); static: the op's trailing arguments."""
     seed = torch.randint(-2 ** 31, 2 ** 31 - 1, (2,), dtype=torch.int32, device=q.device)
     dense = [x.contiguous() for x in (q, k, v)]
     with x64_scope(q):
-        return _DropoutFlex.apply(static, rate, list(masks), *dense, seed, *captures)
+        return _DropoutFlex.apply(static, rate, want_max, list(masks), *dense, seed, *captures)
 
 
 def traced_flex(q, k, v, masks, captures, *static, return_lse: bool):

@@ -340,7 +340,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     dropout_p (a jattn addition, SDPA's name): dropout of the attention weights, as
     `jattn.flex_attention`'s dropout_rate, its mask drawn from torch's random generator (so
     torch.manual_seed repeats it) and regenerated in the backward. Run eagerly (under
-    torch.compile: a graph break); not with return_aux's max_scores.
+    torch.compile: a graph break); return_aux's max_scores are the scores before dropout.
 
     Example::
 
@@ -361,7 +361,7 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                     kernel_options, return_aux, implementation, sinks=None, dropout_p=0.0):
     want_lse, want_max = _aux_request(return_lse, return_aux)
     _check_sinks(sinks, query)
-    dropout_p = _checked_dropout(dropout_p, want_max)
+    dropout_p = _checked_dropout(dropout_p)
     original, dtype = query, _compute_dtype(query)
     config = _config(kernel_options, dtype)
     query, key, value = (x.to(dtype) if isinstance(x, torch.Tensor) and x.dtype != dtype
@@ -380,10 +380,11 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                                              mask_mod)
         static = (mods, block_size, [L, S], scale, enable_gqa, implementation, config)
         if dropout_p:  # (hashable static: the dropout programs are cached by it)
-            out, lse = _ops.flex_attention_dropout(
+            out, lse, *maybe_largest = _ops.flex_attention_dropout(
                 query, key, value, mask_tensors, captures,
                 (mods, tuple(block_size), (L, S), scale, enable_gqa, implementation, config),
-                dropout_p)
+                dropout_p, want_max)
+            largest = maybe_largest[0] if want_max else None
         elif want_max:
             out, lse, largest = _ops.flex_attention_max_scores(
                 query, key, value, mask_tensors, list(captures), *static)
@@ -404,17 +405,13 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
     return (out, lse) if want_lse else out
 
 
-def _checked_dropout(dropout_p, want_max: bool) -> float:
-    """dropout_p as a float in [0, 1); what the dropout path does not do raises."""
+def _checked_dropout(dropout_p) -> float:
+    """dropout_p as a float in [0, 1)."""
     if isinstance(dropout_p, (bool, str)) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"flex_attention: `dropout_p` must be a float in [0, 1), got "
                         f"{type(dropout_p).__name__} {dropout_p!r}.")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"flex_attention: `dropout_p` must be in [0, 1), got {dropout_p!r}.")
-    if dropout_p and want_max:
-        raise NotImplementedError("flex_attention: dropout_p with AuxRequest(max_scores=True) "
-                                  "is not supported yet; ask for the largest scores in a call "
-                                  "without dropout.")
     return float(dropout_p)
 
 

@@ -602,5 +602,27 @@ def test_dropout_p_is_jattns_dropout_with_the_seed_torchs_generator_drew():
         assert torch.equal(compiled(q, k, v), out.detach())
     with pytest.raises(ValueError, match=r"`dropout_p` must be in \[0, 1\), got 1.0"):
         jt.flex_attention(q, k, v, dropout_p=1.0)
-    with pytest.raises(NotImplementedError, match="max_scores"):
-        jt.flex_attention(q, k, v, dropout_p=0.1, return_aux=flex.AuxRequest(max_scores=True))
+    with pytest.raises(TypeError, match="`dropout_p` must be a float"):
+        jt.flex_attention(q, k, v, dropout_p="0.1")
+
+
+def test_dropout_p_with_max_scores_gives_the_scores_before_dropout():
+    """AuxRequest(max_scores=True) with dropout_p: the same largest scores as without dropout
+    (dropout acts on the weights), beside dropout's output and LSE, and gradients flow."""
+    q, k, v = _qkv()
+    block_mask = jt.create_block_mask(jattn.masks.causal_mask, None, None, L, L, BLOCK_SIZE=64,
+                                      device="cpu")
+    request = flex.AuxRequest(lse=True, max_scores=True)
+    torch.manual_seed(3)
+    out, aux = jt.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                 return_aux=request, dropout_p=0.25)
+    torch.manual_seed(3)
+    dropped, lse = jt.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                     return_lse=True, dropout_p=0.25)
+    _, plain = jt.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True,
+                                 return_aux=request)
+    assert torch.equal(out, dropped) and torch.equal(aux.lse, lse)
+    assert torch.equal(aux.max_scores, plain.max_scores)
+    assert not aux.max_scores.requires_grad
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
