@@ -266,7 +266,7 @@ def forward(p: Problem, has_full: bool, q, k, v, lists, score_captures=(), mask_
     # against 566, L2048 472 paired against 434 dealt; B1 H16 L16384: documents of 4k 522
     # against 495, packed documents of 1k-7k tokens 471 paired against 427 dealt; rows of
     # equal work keep rows in order, heads in turn (sliding window 1024: 482 against 463
-    # paired; with 4 tiles a program instead of 8, 458, and a full BlockMask 541 against 583).
+    # paired).
     heaviest = heaviest_first(lists, has_full)
     if p.dense:
         group = _tiles_per_program(tiles, MAX_TILES_PER_PROGRAM_DENSE)

@@ -59,12 +59,17 @@ def paired_tile_of(p: Problem, order_ref, t, rows: int):
     return b, h, order_ref[mask_line * rows + j]
 
 
+def _blocks(lists, has_full: bool):
+    """Each BlockMask line's listed blocks, partial and full: [mask batch, mask heads, lines]."""
+    return lists[0] + lists[2] if has_full else lists[0]
+
+
 def paired(lists, has_full: bool):
     """The int32 order, per mask batch and head, of a kernel's BlockMask rows taken in pairs:
     the heaviest and the lightest, then the second heaviest and the second lightest, and so
     on. Consecutive pairs carry about equal work (a causal mask's pairs exactly), and the
     programs running at once read the K/V of a few heads, which stay in L2."""
-    steps = lists[0] + lists[2] if has_full else lists[0]
+    steps = _blocks(lists, has_full)
     rows = steps.shape[-1]
     j = np.arange(rows)
     position = np.where(j % 2 == 0, j // 2, rows - 1 - j // 2)
@@ -76,7 +81,7 @@ def heaviest_first(lists, has_full: bool, summed_axes: tuple[int, ...] = ()):
     """The int32 order of a kernel's BlockMask lines (one orientation's [counts, indices, full
     counts, full indices]), the lines with the most blocks first (stable), after summing the
     counts over `summed_axes` (lines shared by several mask batches or heads)."""
-    steps = lists[0] + lists[2] if has_full else lists[0]
+    steps = _blocks(lists, has_full)
     if summed_axes:
         steps = steps.sum(axis=summed_axes)
     return jnp.argsort(-steps.reshape(-1), stable=True).astype(jnp.int32)
@@ -100,7 +105,7 @@ def tile_order(lists, has_full: bool, order, pairs, *, batch_heads: tuple[int, i
     heaviest first) where that is clearly faster by the time each would take, as where a few
     rows hold most of the work in one wave of programs. A tile counts its blocks plus one
     (loading its queries, storing its output)."""
-    steps = ((lists[0] + lists[2] if has_full else lists[0]) + 1).astype(jnp.float32)
+    steps = (_blocks(lists, has_full) + 1).astype(jnp.float32)
     batch, heads = batch_heads
     tiles = batch * heads * steps.shape[-1]
 
