@@ -238,14 +238,14 @@ def _step(p: Problem, tile: _Tile, wg, step_refs, k_smem, v_smem, dk_acc, dv_acc
 
 
 def _reduce_add_step(p: Problem, tile: _Tile, wg, step_refs, k_smem, v_smem, ds_smem, ds_ready,
-                     dk_acc, dv_acc, split: bool, dtype):
+                     dk_acc, dv_acc, split: bool, dims: int, dtype):
     """A consumer's dK/dV step that also computes its part of the step's dQ (float32,
     returned), in FlashAttention-3's order: Sᵀ and dPᵀ issued together (Pᵀ computed while dPᵀ
     runs), dSᵀ staged in shared memory, dV issued, then, once both consumers' dSᵀ are staged
     (split by head dims), dQ and dK; dK left in flight. Split, the consumers meet at the dSᵀ
-    barrier every step, in lockstep (what that costs: benchmarks/HISTORY.md, session 36)."""
+    barrier every step, in lockstep (what that costs: benchmarks/HISTORY.md, session 36).
+    dims: the head dims of this consumer's dQ part."""
     lse_ref, delta_ref, q_tile, do_tile = step_refs
-    dims = p.E // CONSUMERS if split else p.E
 
     def products(s_acc, dp_acc):
         plgpu.wgmma(s_acc, k_smem.at[wg], q_tile.T)
@@ -335,7 +335,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, *refs, p: Pro
                         if reduce_dq:
                             dq = _reduce_add_step(p, tile, wg, step_refs, k_smem, v_smem,
                                                   ds_smem.at[lax.rem(count, 2)], ds_ready,
-                                                  dk_acc, dv_acc, split, dtype)
+                                                  dk_acc, dv_acc, split, dq_dims, dtype)
                             # The last step's reduce-add has read the staging buffer.
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             dq_smem.at[wg][...] = dq
