@@ -183,6 +183,38 @@ def test_unrecordable_and_edited_state_is_never_stale():
     assert not np.allclose(outputs[0], outputs[1])
 
 
+def test_one_array_under_two_names_then_two_arrays_reads_both():
+    """Two parameters made from one zeros array: the first call reads one array twice."""
+    q, k, v = _qkv()
+
+    def call(a, c):
+        return jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + (3 * a[h] - 2 * c[h]) * ki,
+                                    implementation="xla")
+
+    zeros = jnp.zeros(2)
+    call(zeros, zeros)
+    a, c = jnp.array([1.0, -2.0]), jnp.array([4.0, 0.5])
+    expected = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + jnp.array(
+        [-5.0, -7.0])[h] * ki, implementation="xla")
+    np.testing.assert_allclose(call(a, c), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("derive", [lambda t: t.T, lambda t: t[1:, :-1], lambda t: t * 2,
+                                    lambda t: t[::-1]], ids=["transpose", "slice", "product",
+                                                             "reversed"])
+def test_what_a_mod_computes_from_numpy_arrays_is_computed_again(derive):
+    q, k, v = _qkv()
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        table = rng.standard_normal((65, 65)).astype(np.float32)
+        out = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + jnp.asarray(
+            derive(table))[qi, ki], implementation="xla")
+        fixed = jnp.asarray(derive(table))
+        expected = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s + fixed[qi, ki],
+                                        implementation="xla")
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_create_block_mask_with_new_ids_each_step_neither_traces_nor_compiles(traces):
     compiles = []
 

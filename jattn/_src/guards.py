@@ -14,8 +14,10 @@ arrays read from this call's function.
 
 A value the walk cannot record — an object of no known structure, a structure past
 `MAX_VALUES` values — gives no record: such calls trace every time, never reuse a stale plan.
-Values a function reads from arrays in Python while it is traced (`int(ids[0])`) are, as
-under `jax.jit`, taken when it is traced.
+One array read through two names is recorded as one, so a call where they are two arrays
+does not reuse its plan. Values a function reads from JAX arrays in Python while it is traced
+(`int(ids[0])`) are, as under `jax.jit`, taken when it is traced; values it computes from NumPy
+arrays in Python (`table.T`) are computed again on every call: such calls trace every time.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def _is_library_module(module: str) -> bool:
 class _Walker:
     def __init__(self):
         self.arrays: list = []
+        self.positions: dict[int, int] = {}  # id of each array in `arrays` -> its position
         self.count = 0
         self.active: set[int] = set()  # functions being walked: recursion ends there
 
@@ -89,6 +92,12 @@ class _Walker:
             library = _is_library(value) and not value.__module__.startswith("jattn")
             return _identity(value) if library else self._function(value)
         if isinstance(value, (jax.Array, np.ndarray)):
+            # One array read through two names (two parameters made from one zeros array) is
+            # recorded as the same array: a later call where they differ must not reuse a
+            # plan that reads them as one.
+            seen = self.positions.setdefault(id(value), len(self.arrays))
+            if seen < len(self.arrays):
+                return ("same array", seen)
             self.arrays.append(value)
             return ("array", value.shape, value.dtype, getattr(value, "weak_type", False))
         if isinstance(value, np.generic):
@@ -216,17 +225,33 @@ def fetch(sources: tuple, arrays: list) -> list:
 
 def sources_of(values: list, arrays: list) -> tuple | None:
     """Where each of `values` (a trace's captured arrays) comes from on a later call: an index
-    into the State's `arrays` (the same array, or a NumPy array's view), or a value the trace
-    made itself (stored). None when a value is neither (a traced value from an outer
-    transformation: the plan would hold it past the call)."""
+    into the State's `arrays` (the same array, or JAX's wrapper of the same NumPy array), or a
+    value the trace made itself (stored). None where a value is traced by an outer
+    transformation (the plan would hold it past the call) or, where the function reads NumPy
+    arrays, is not one of them: it may have been computed from them in Python (`table.T`,
+    `table * 2`, `table[1:]`), which a later call must do again with its own arrays."""
     index = {id(a): i for i, a in enumerate(arrays)}
+    reads_numpy = any(isinstance(a, np.ndarray) for a in arrays)
     sources = []
     for value in values:
-        position = index.get(id(value), index.get(id(getattr(value, "base", None))))
+        position = index.get(id(value))
+        if position is None and _wraps(value, arrays, index):
+            position = index[id(value.base)]
         if position is not None:
             sources.append(("array", position))
-        elif isinstance(value, jax.core.Tracer):
+        elif isinstance(value, jax.core.Tracer) or reads_numpy:
             return None
         else:
             sources.append(("value", value))
     return tuple(sources)
+
+
+def _wraps(value: Any, arrays: list, index: dict[int, int]) -> bool:
+    """Whether `value` is a NumPy array holding exactly one of `arrays` (its data, shape,
+    strides and dtype: JAX's wrapper of a captured NumPy array), not a view of part of it."""
+    base = getattr(value, "base", None)
+    if id(base) not in index or not isinstance(value, np.ndarray):
+        return False
+    ours, theirs = value.__array_interface__, base.__array_interface__
+    return all(ours.get(field) == theirs.get(field)
+               for field in ("data", "shape", "strides", "typestr"))
