@@ -271,8 +271,10 @@ def _code_identity(mod):
             return type(mod)
 
 
-_TRAMPOLINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_JAX_MODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # code -> True
+# Per kind ("score", "mask"): a function used in both roles gets two translations, and the
+# wrong role's call its own clear error.
+_TRAMPOLINES = {kind: weakref.WeakKeyDictionary() for kind in ARITY}
+_JAX_MODS = {kind: weakref.WeakKeyDictionary() for kind in ARITY}  # code -> True
 
 
 def _is_recompile_limit(error: BaseException) -> bool:
@@ -369,11 +371,11 @@ class _FastGuard:
         return self.translation.fetch(mod)
 
 
-_FAST_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # identity -> list
+_FAST_GUARDS = {kind: weakref.WeakKeyDictionary() for kind in ARITY}  # identity -> list
 _MAX_FAST_GUARDS = 4  # per code object: the translations of its latest states
 
 
-def _remember(identity, mod, translation: Translation, tensors) -> None:
+def _remember(kind: str, identity, mod, translation: Translation, tensors) -> None:
     if translation.guards is None:
         return
     try:
@@ -381,8 +383,9 @@ def _remember(identity, mod, translation: Translation, tensors) -> None:
     except Exception:  # noqa: BLE001  (a source we cannot read: Dynamo checks this one)
         return
     with _LOCK:
-        guards = [g for g in _FAST_GUARDS.get(identity, ()) if g.translation is not translation]
-        _FAST_GUARDS[identity] = [guard, *guards][:_MAX_FAST_GUARDS]
+        guards = [g for g in _FAST_GUARDS[kind].get(identity, ())
+                  if g.translation is not translation]
+        _FAST_GUARDS[kind][identity] = [guard, *guards][:_MAX_FAST_GUARDS]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -401,21 +404,21 @@ def _capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
         raise TypeError(f"{kind}_mod must be callable {_SIGNATURES[kind]}, got "
                         f"{type(mod).__name__}.")
     identity = _code_identity(mod)
-    for guard in _FAST_GUARDS.get(identity, ()):
+    for guard in _FAST_GUARDS[kind].get(identity, ()):
         tensors = guard(mod)
         if tensors is not None:
             return guard.translation, tensors
-    if _JAX_MODS.get(identity):
+    if _JAX_MODS[kind].get(identity):
         return _jax_translation(mod), ()
     with _LOCK:
-        trampoline = _TRAMPOLINES.get(identity)
+        trampoline = _TRAMPOLINES[kind].get(identity)
         if trampoline is None:
-            trampoline = _TRAMPOLINES[identity] = _Trampoline(kind, mod)
+            trampoline = _TRAMPOLINES[kind][identity] = _Trampoline(kind, mod)
     result = _call(trampoline, mod, kind, identity)
     if result is None:
         return _jax_translation(mod), ()
     translation, tensors = result
-    _remember(identity, mod, translation, tensors)
+    _remember(kind, identity, mod, translation, tensors)
     return translation, tensors
 
 
@@ -427,10 +430,10 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity):
     except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
         if _is_recompile_limit(error):
             with _LOCK:
-                fresh = _TRAMPOLINES[identity] = _Trampoline(kind, mod)
+                fresh = _TRAMPOLINES[kind][identity] = _Trampoline(kind, mod)
             return _call(fresh, mod, kind, identity)
         if _is_jax_mod(mod, kind):
-            _JAX_MODS[identity] = True
+            _JAX_MODS[kind][identity] = True
             return None
         raise _mod_error(mod, kind, error) from None
     result, _SLOT.value = getattr(_SLOT, "value", None), None  # holds no tensor past the call
@@ -495,7 +498,8 @@ def _is_jax_mod(mod, kind: str) -> bool:
 def _clear() -> None:
     """Forgets every translation, trampoline and replayed guard (jattn.clear_caches)."""
     with _LOCK:
-        for cache in (_TRANSLATIONS, _TRAMPOLINES, _JAX_MODS, _FAST_GUARDS, _JAX_TRANSLATIONS):
+        for cache in (_TRANSLATIONS, _JAX_TRANSLATIONS, *_TRAMPOLINES.values(),
+                      *_JAX_MODS.values(), *_FAST_GUARDS.values()):
             cache.clear()
         _argument_translation.cache_clear()
 

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import jax
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 import jattn
 from ._direct import DirectProgram
@@ -203,6 +204,7 @@ def register(spec: GemmOp):
             return output
 
         @staticmethod
+        @once_differentiable  # (no double backward: differentiating the gradients raises)
         def backward(ctx, grad):
             tensors = ctx.saved_tensors
             return input_grads(tensors, run_backward(grad, *tensors, *ctx.options))

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 import jattn
 from ._direct import DirectProgram
@@ -487,6 +488,7 @@ class _EagerFlex(torch.autograd.Function):
         return (out_tensor, lse_tensor) if return_lse else out_tensor
 
     @staticmethod
+    @once_differentiable  # (no double backward: differentiating the gradients raises)
     def backward(ctx, d_out, d_lse=None):
         _, _, _, _, *captures = ctx.saved_tensors  # (checks that none changed in place)
         plan = ctx.plan
@@ -534,6 +536,7 @@ class _DropoutFlex(torch.autograd.Function):
         return results
 
     @staticmethod
+    @once_differentiable  # (no double backward: differentiating the gradients raises)
     def backward(ctx, d_out, d_lse, *d_largest):
         captures = ctx.saved_tensors
         with x64_scope(d_out):

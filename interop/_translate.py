@@ -356,7 +356,7 @@ def _one_element_reduction(node, value):
         return map_array(index)
     if node.target in _ONE_ELEMENT_PAIR:
         return map_array(lambda x: x), map_array(index)
-    return map_array(lambda x: _as_traced_dtype(x, node))
+    return map_array(lambda x: _as_traced_dtype(x, node, x))
 
 
 def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots, *,
@@ -410,7 +410,7 @@ def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
             plain = jax.tree_util.tree_map(_array, (args_, kwargs), is_leaf=lambda v: isinstance(
                 v, (_Batched, _PartialIndex)))
             out = OPS[node.target](*plain[0], **plain[1])
-            out = _as_traced_dtype(out, node)
+            out = _as_traced_dtype(out, node, plain)
             env[node] = _Batched(out) if batched else out
         elif node.op == "output":
             (result,) = node.args[0] if isinstance(node.args[0], (list, tuple)) else (
@@ -424,11 +424,21 @@ def _own_shape(node) -> tuple:
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
 
 
-def _as_traced_dtype(out, node):
-    """torch's result dtype for the node (its type promotion, not JAX's)."""
+def _as_traced_dtype(out, node, inputs):
+    """torch's result dtype for the node (its type promotion, not JAX's). Mods are traced on a
+    float32 score, as torch calls them for every input dtype but float64: where a float64
+    call's score (or a value computed from it) makes the node float64 here, a float32 traced
+    result stays float64, as torch's would be; float32 asked for by name (`.float()`) or made
+    from integers (`(q_idx - kv_idx) / 7`, torch's default dtype) stays float32."""
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor) and not isinstance(out, tuple):
-        return jnp.asarray(out).astype(jax_dtype(val.dtype))
+        out = jnp.asarray(out)
+        if (val.dtype == torch.float32 and out.dtype == jnp.float64
+                and "dtype" not in node.kwargs
+                and any(getattr(x, "dtype", None) == jnp.float64
+                        for x in jax.tree_util.tree_leaves(inputs))):
+            return out
+        return out.astype(jax_dtype(val.dtype))
     return out
 
 

@@ -188,6 +188,39 @@ def test_float64_is_computed_in_float64_forward_and_backward():
         _close(ours, theirs, 1e-11)
 
 
+def test_a_float64_call_computes_a_mod_reading_no_tensor_in_float64():
+    """Mods are traced on float32 scores; a float64 call's mod must not round to them."""
+    q, k, v = _qkv(torch.float64)
+    for mod in (lambda s, b, h, qi, ki: s * 2, lambda s, b, h, qi, ki: s * 0.3 + (qi - ki)):
+        expected = torch_flex(q, k, v, mod, None)
+        _close(jt.flex_attention(q, k, v, mod, enable_gqa=True), expected, 1e-12)
+
+
+def test_differentiating_the_gradients_raises_as_torchs_backward_does():
+    """A gradient penalty through attention must not silently lose its second-order term."""
+    q, k, v = _qkv(requires_grad=True)
+    for op in (lambda: jt.flex_attention(q, k, v, enable_gqa=True),
+               lambda: jt.matmul(q[0, 0], k[0, 0].T)):
+        out = op()
+        dq, = torch.autograd.grad((out ** 2).sum(), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            (dq ** 2).sum().backward()
+
+
+def test_a_mod_used_in_the_wrong_role_after_its_right_one_names_the_mistake():
+    q, k, v = _qkv()
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 0.1 * (q_idx - kv_idx)
+
+    jt.flex_attention(q, k, v, bias, enable_gqa=True)
+    with pytest.raises(TypeError, match="mask_mod .*bias must take 4 arguments"):
+        jt.create_block_mask(bias, None, None, L, L, "cpu")
+    jt.create_block_mask(_causal, None, None, L, L, "cpu")
+    with pytest.raises(TypeError, match="score_mod .*_causal must take 5 arguments"):
+        jt.flex_attention(q, k, v, _causal, enable_gqa=True)
+
+
 def test_meta_tensors_give_meta_results_as_torchs_ops_do():
     """Shape inference on meta tensors (how torch users size a model): every op returns meta
     tensors of the right shape and dtype, its checks included, and gradients flow."""
