@@ -10,7 +10,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jattn._src import guards, index_bounds
@@ -51,11 +50,6 @@ def _evaluate(fn: str, mask_mod: MaskMod, b, h, q_idx, kv_idx, shape) -> jax.Arr
                         f"{getattr(out, 'dtype', type(out).__name__)}; compare instead "
                         "(e.g. `q_idx >= kv_idx`).")
     return jnp.broadcast_to(out, shape)
-
-
-def _valid_counts(length: int, block: int, n: int) -> np.ndarray:
-    """Positions of each of n blocks inside the sequence (the last one may be ragged)."""
-    return np.minimum(block, length - block * np.arange(n))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +107,9 @@ def _build(mask_mod: TracedFunction, sizes: _Sizes, captures) -> BlockMask:
     _, counts = lax.scan(lambda _, first_row: (None, step(first_row)), None, starts,
                          unroll=min(len(starts), _unrolled_steps()))  # [steps, rows, nKV, B, H]
     counts = jnp.moveaxis(counts.reshape(-1, n_kv, B, H)[:n_q], (0, 1), (2, 3))
-    valid = np.outer(_valid_counts(q_len, block_q, n_q), _valid_counts(kv_len, block_kv, n_kv))
-    full = counts == valid
+    # A block reaching past an end is partial, as torch lists it (its padding does not
+    # attend), so that the mask_mod still decides there when the mask is adjusted longer.
+    full = counts == block_q * block_kv
     return BlockMask.from_dense_blocks((counts > 0) & ~full, full,
                                        block_size=(block_q, block_kv),
                                        seq_lengths=(q_len, kv_len), mask_mod=None)
