@@ -63,6 +63,23 @@ def read_state(*fns: Any) -> State:
     return State(record, walker.arrays)
 
 
+def read_global(value: Any, names: frozenset[str]) -> State:
+    """The State of a global that code naming `names` reads (of a user module: the attributes
+    it names, as a function's walk records them)."""
+    walker = _Walker()
+    try:
+        record = walker.global_value(value, names)
+        hash(record)
+    except (_Unrecordable, RecursionError, TypeError):
+        return State(None, walker.arrays)
+    return State(record, walker.arrays)
+
+
+def is_library_function(fn: types.FunctionType) -> bool:
+    """Library code, recorded by identity (jattn's own functions are walked as users' are)."""
+    return _is_library(fn) and not fn.__module__.startswith("jattn")
+
+
 def _is_library(value: Any) -> bool:
     return _is_library_module(getattr(value, "__module__", None) or "")
 
@@ -89,8 +106,7 @@ class _Walker:
         if kind is float:
             return (float, value.hex())  # -0.0 and NaN recorded as they are
         if kind is types.FunctionType:  # jattn's own closures are walked too
-            library = _is_library(value) and not value.__module__.startswith("jattn")
-            return _identity(value) if library else self._function(value)
+            return _identity(value) if is_library_function(value) else self._function(value)
         if isinstance(value, (jax.Array, np.ndarray)):
             # One array read through two names (two parameters made from one zeros array) is
             # recorded as the same array: a later call where they differ must not reuse a
@@ -141,12 +157,12 @@ class _Walker:
         try:
             code, closure, defaults, kwdefaults = (fn.__code__, fn.__closure__, fn.__defaults__,
                                                    fn.__kwdefaults__)
-            cells = tuple([self.walk(_cell(c)) for c in closure]) if closure else ()
-            names = _global_names(code)
+            cells = tuple([self.walk(cell_contents(c)) for c in closure]) if closure else ()
+            names = global_names(code)
             globals_ = ()
             if names:
                 namespace = fn.__globals__
-                globals_ = tuple([(name, self._global(namespace[name], names))
+                globals_ = tuple([(name, self.global_value(namespace[name], names))
                                   for name in names if name in namespace])
             attributes = fn.__dict__  # (`mod.bias = ...`)
             return ("function", code, None if defaults is None else self.walk(defaults),
@@ -155,7 +171,7 @@ class _Walker:
         finally:
             self.active.discard(id(fn))
 
-    def _global(self, value: Any, names: frozenset[str]) -> Hashable:
+    def global_value(self, value: Any, names: frozenset[str]) -> Hashable:
         """A global the code names; of a user module, the attributes the code names too
         (`config.WINDOW` reads `config`'s WINDOW; `package.config.WINDOW` through a
         submodule)."""
@@ -165,7 +181,7 @@ class _Walker:
             if self.count > MAX_VALUES:
                 raise _Unrecordable
             return ("module", value.__name__, tuple(
-                (name, self._global(getattr(value, name), names)) for name in sorted(names)
+                (name, self.global_value(getattr(value, name), names)) for name in sorted(names)
                 if hasattr(value, name) and getattr(value, name) is not value))
         return self.walk(value)
 
@@ -196,24 +212,24 @@ def _identity(value: Any) -> Hashable:
     return ("object", value)
 
 
-def _cell(cell) -> Any:
+def cell_contents(cell) -> Any:
     try:
         return cell.cell_contents
     except ValueError:  # an empty cell (a name assigned after the function was made)
-        return _EMPTY
+        return EMPTY_CELL
 
 
-_EMPTY = ("empty cell",)
+EMPTY_CELL = ("empty cell",)
 
 
 @functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> frozenset[str]:
+def global_names(code: types.CodeType) -> frozenset[str]:
     """The names `code` and the code nested in it (lambdas, comprehensions) may look up as
     globals or attributes."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= global_names(const)
     return frozenset(names)
 
 

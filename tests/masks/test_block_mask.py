@@ -119,3 +119,44 @@ def test_mask_mod_mistakes_name_the_fix():
         def branchy(b, h, q, kv):
             return q >= kv if q > 3 else q < kv
         jattn.create_mask(branchy, None, None, 64, 64)
+
+
+IDS = None  # rebound per batch by the test below
+
+
+def _document_ids(seed, B=2, L=128):
+    return jnp.asarray(np.sort(np.random.default_rng(seed).integers(0, 4, (B, L)), 1), jnp.int32)
+
+
+def _documents_from_global(b, h, q_idx, kv_idx):
+    return IDS[b, q_idx] == IDS[b, kv_idx]
+
+
+@pytest.mark.parametrize("source", ["closure", "container", "global"])
+def test_a_users_mask_mod_passes_through_jit_without_recompiling(source):
+    """attention-gym's way: a fresh closure over the batch's document ids (or over a dict
+    holding them, or a global rebound per batch), its BlockMask an argument of the jitted
+    step: one compile, each batch's ids."""
+    global IDS
+    B, H, L, E = 2, 2, 128, 16
+    x = jax.random.normal(jax.random.key(0), (B, H, L, E))
+    step = jax.jit(lambda x, mask: jattn.flex_attention(x, x, x, block_mask=mask))
+
+    def documents_of(ids):
+        def documents(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+        return documents
+
+    def in_batch(batch):
+        return lambda b, h, q_idx, kv_idx: batch["ids"][b, q_idx] == batch["ids"][b, kv_idx]
+
+    for seed in range(3):
+        IDS = _document_ids(seed, B, L)
+        mask_mod = {"closure": documents_of(IDS), "container": in_batch({"ids": IDS}),
+                    "global": _documents_from_global}[source]
+        mask = jattn.create_block_mask(mask_mod, B, None, L, L, block_size=32)
+        dense = jattn.create_mask(mask_mod, B, None, L, L)
+        scores = jnp.where(dense, jnp.einsum("bhqd,bhkd->bhqk", x, x) / E ** 0.5, -jnp.inf)
+        expected = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1), x)
+        np.testing.assert_allclose(step(x, mask), expected, rtol=2e-5, atol=2e-5)
+    assert step._cache_size() == 1

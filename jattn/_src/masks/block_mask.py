@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jattn._src import function_arrays
 from jattn._src.tiling import cdiv
 
 MaskMod = Callable[..., jax.Array]
@@ -278,20 +279,36 @@ _LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"
 
 
 def _flatten(mask: BlockMask):
-    """Children: the lists and the arrays the mask_mod holds as pytree leaves (jattn.masks'
-    mods: new document ids pass through jax.jit as arguments); the rest is static."""
+    """Children: the lists and the arrays the mask_mod reads: its pytree leaves (jattn.masks'
+    mods) and the arrays plain functions among them read directly (a user's closure over
+    document ids, a global rebound per batch: `function_arrays`), so that new ids pass
+    through jax.jit as arguments; the rest is static."""
     leaves, mod_tree = jax.tree_util.tree_flatten(mask.mask_mod)
-    dynamic = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
-    arrays = [x for x, d in zip(leaves, dynamic) if d]
-    static = tuple(None if d else x for x, d in zip(leaves, dynamic))
+    arrays, static = [], []
+    for leaf in leaves:
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            arrays.append(leaf)
+            static.append(None)
+        elif (parts := function_arrays.split(leaf)) is not None:
+            arrays.extend(parts[1])
+            static.append(parts[0])
+        else:
+            static.append(leaf)
     children = (*(getattr(mask, name) for name in _LISTS), *arrays)
-    return children, (mask.block_size, mask.seq_lengths, mod_tree, static)
+    return children, (mask.block_size, mask.seq_lengths, mod_tree, tuple(static))
 
 
 def _unflatten(aux, children) -> BlockMask:
     block_size, seq_lengths, mod_tree, static = aux
     arrays = iter(children[len(_LISTS):])
-    leaves = [next(arrays) if x is None else x for x in static]
+    leaves = []
+    for x in static:
+        if x is None:
+            leaves.append(next(arrays))
+        elif isinstance(x, function_arrays.Skeleton):
+            leaves.append(x.rebuild([next(arrays) for _ in range(x.n_arrays)]))
+        else:
+            leaves.append(x)
     return BlockMask(*children[:len(_LISTS)], block_size=block_size, seq_lengths=seq_lengths,
                      mask_mod=mod_tree.unflatten(leaves))
 
