@@ -251,7 +251,7 @@ def sources_of(values: list, arrays: list) -> tuple | None:
     sources = []
     for value in values:
         position = index.get(id(value))
-        if position is None and _wraps(value, arrays, index):
+        if position is None and _wraps(value, index):
             position = index[id(value.base)]
         if position is not None:
             sources.append(("array", position))
@@ -262,9 +262,10 @@ def sources_of(values: list, arrays: list) -> tuple | None:
     return tuple(sources)
 
 
-def _wraps(value: Any, arrays: list, index: dict[int, int]) -> bool:
-    """Whether `value` is a NumPy array holding exactly one of `arrays` (its data, shape,
-    strides and dtype: JAX's wrapper of a captured NumPy array), not a view of part of it."""
+def _wraps(value: Any, index: dict[int, int]) -> bool:
+    """Whether `value` is a NumPy array holding exactly one of the arrays `index` holds (its
+    data, shape, strides and dtype: JAX's wrapper of a captured NumPy array), not a view of
+    part of it."""
     base = getattr(value, "base", None)
     if id(base) not in index or not isinstance(value, np.ndarray):
         return False
