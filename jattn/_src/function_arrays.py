@@ -18,13 +18,14 @@ jax.jit.
 from __future__ import annotations
 
 import types
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jattn._src import guards
+from jattn._src.programs import ProgramCache
 
 _ARRAY_TYPES = (jax.Array, np.ndarray)
 
@@ -52,9 +53,12 @@ class Skeleton:
         return _rebuilt(self.function, arrays)
 
 
-def split(value: Any) -> tuple[Skeleton, list] | None:
-    """(skeleton, arrays) of a plain user function that reads arrays directly; None for
-    anything else (no arrays read: nothing to gain; read another way: kept whole)."""
+def split(value: Any, signature: Sequence[jax.ShapeDtypeStruct]
+          ) -> tuple[Skeleton, list] | None:
+    """(skeleton, arrays) of a plain user function that reads arrays and computes with them
+    as arrays when called at `signature`; None for anything else (no arrays read: nothing to
+    gain; read another way, or read in Python — `int(prefix)`, NumPy on a NumPy array —
+    which needs their values: kept whole)."""
     if type(value) is not types.FunctionType or guards.is_library_function(value):
         return None
     arrays: list = []
@@ -65,7 +69,27 @@ def split(value: Any) -> tuple[Skeleton, list] | None:
         return None
     if not arrays:
         return None
-    return Skeleton(record, value, len(arrays)), arrays
+    skeleton = Skeleton(record, value, len(arrays))
+    key = (record, tuple(signature))
+    traces = _TRACES_ABSTRACTLY.get(key)
+    if traces is None:
+        traces = _TRACES_ABSTRACTLY.put(key, _traces_abstractly(skeleton, arrays, signature))
+    return (skeleton, arrays) if traces else None
+
+
+# Whether each record's function traces with abstract arrays, by (record, signature): asked
+# once per kind of function, not per call.
+_TRACES_ABSTRACTLY: ProgramCache[bool] = ProgramCache("function_arrays.traces_abstractly")
+
+
+def _traces_abstractly(skeleton: Skeleton, arrays: list, signature) -> bool:
+    abstract = [jax.ShapeDtypeStruct(np.shape(a), a.dtype) for a in arrays]
+    try:
+        jax.eval_shape(lambda arrays, *args: skeleton.rebuild(arrays)(*args), abstract,
+                       *signature)
+    except Exception:  # noqa: BLE001  (any failure: the function stays whole, as before)
+        return False
+    return True
 
 
 def _record(fn: types.FunctionType, arrays: list, active: set) -> Hashable:

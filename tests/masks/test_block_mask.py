@@ -160,3 +160,23 @@ def test_a_users_mask_mod_passes_through_jit_without_recompiling(source):
         expected = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1), x)
         np.testing.assert_allclose(step(x, mask), expected, rtol=2e-5, atol=2e-5)
     assert step._cache_size() == 1
+
+
+def test_a_mask_mod_reading_array_values_in_python_still_passes_through_jit():
+    """Such a mod needs the values while traced, so its function stays static data."""
+    L = 128
+    x = jax.random.normal(jax.random.key(0), (1, 2, L, 16))
+    step = jax.jit(lambda x, mask: jattn.flex_attention(x, x, x, block_mask=mask))
+    lengths, prefix = np.array([40, 50, 38]), jnp.array(17)
+
+    def numpy_documents(b, h, q_idx, kv_idx):
+        ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths))
+        return ids[q_idx] == ids[kv_idx]
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx < int(prefix)) | (q_idx >= kv_idx)
+
+    for mask_mod in (numpy_documents, prefix_lm):
+        mask = jattn.create_block_mask(mask_mod, None, None, L, L, block_size=32)
+        np.testing.assert_allclose(step(x, mask), jattn.flex_attention(x, x, x, block_mask=mask),
+                                   rtol=1e-6, atol=1e-6)

@@ -278,6 +278,10 @@ _LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"
           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
+# A mask_mod's arguments (b, h, q_idx, kv_idx) where its trace is tried without array values.
+_MASK_MOD_SIGNATURE = (jax.ShapeDtypeStruct((), jnp.int32),) * 4
+
+
 def _flatten(mask: BlockMask):
     """Children: the lists and the arrays the mask_mod reads: its pytree leaves (jattn.masks'
     mods) and the arrays plain functions among them read directly (a user's closure over
@@ -289,7 +293,7 @@ def _flatten(mask: BlockMask):
         if isinstance(leaf, (jax.Array, np.ndarray)):
             arrays.append(leaf)
             static.append(None)
-        elif (parts := function_arrays.split(leaf)) is not None:
+        elif (parts := function_arrays.split(leaf, _MASK_MOD_SIGNATURE)) is not None:
             arrays.extend(parts[1])
             static.append(parts[0])
         else:
