@@ -160,6 +160,28 @@ def test_memory_stays_flat_over_many_eager_calls():
     assert _rss_mib() - before < 30  # it grew 2.2 MB a call when each call compiled
 
 
+def test_programs_evicted_from_the_cache_are_freed(monkeypatch):
+    """A Python scalar changing every call (a schedule) makes a program per value; those the
+    bounded cache drops must not stay alive in JAX's trace caches."""
+    import gc
+
+    from jattn._src.attention import api
+    from jattn._src.attention.common import Problem
+    monkeypatch.setattr(api._PROGRAMS, "_maxsize", 4)
+    monkeypatch.setattr(api._PLANS, "_maxsize", 4)
+    def alive():
+        gc.collect()
+        return sum(type(x) is Problem for x in gc.get_objects())
+
+    q, k, v = _inputs()
+    before = alive()  # (other tests' problems, in other caches)
+    for step in range(12):
+        temperature = 1.0 + step / 8
+        jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: s / temperature,
+                             implementation="xla")
+    assert alive() - before <= 4
+
+
 def test_first_calls_from_two_threads():
     q, k, v = _inputs(5)
     scale = jnp.asarray(np.float32(0.7))

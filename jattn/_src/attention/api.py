@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -146,13 +147,27 @@ class Residuals(NamedTuple):
     differentiated: tuple[bool, ...]
 
 
-# jitted: under jax.jit, JAX traces the custom_jvp's primal (for the staged call) and its JVP
-# rule (when differentiating) separately, and both call this; jit's trace cache makes the
-# second a lookup instead of tracing the forward's kernels again.
-@functools.partial(jax.jit, static_argnums=0)
 def _forward(p: Problem, q, k, v, lists, score_caps, mask_caps):
-    with precision.applied(p.precision):
-        return p.implementation.module.forward(p, q, k, v, lists, score_caps, mask_caps)
+    """p's forward, jitted: under jax.jit, JAX traces the custom_jvp's primal (for the staged
+    call) and its JVP rule (when differentiating) separately, and both call this; jit's trace
+    cache makes the second a lookup instead of tracing the forward's kernels again. One jit per
+    Problem, holding it weakly, so that JAX's trace caches drop a problem's traces when its
+    program is evicted (a module-level jit with the Problem static kept every one alive)."""
+    forward = _FORWARDS.get(p)
+    if forward is None:
+        problem = weakref.ref(p)
+
+        def run(q, k, v, lists, score_caps, mask_caps):
+            p = problem()
+            with precision.applied(p.precision):
+                return p.implementation.module.forward(p, q, k, v, lists, score_caps,
+                                                       mask_caps)
+
+        forward = _FORWARDS.setdefault(p, jax.jit(run))
+    return forward(q, k, v, lists, score_caps, mask_caps)
+
+
+_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Problem -> its jit
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
