@@ -72,6 +72,21 @@ def test_bad_masks_raise():
         jattn.BlockMask.from_kv_blocks(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2, 2)))
 
 
+def test_library_mods_check_their_arguments():
+    for make, match in [
+            (lambda: jattn.masks.prefix_lm(-3), "`prefix_length` must be an int >= 0"),
+            (lambda: jattn.masks.prefix_lm(2.5), "`prefix_length` must be an int >= 0"),
+            (lambda: jattn.masks.sliding_window(0), "`window` must be a positive int"),
+            (lambda: jattn.mods.alibi(jnp.ones((2, 2))), r"`slopes` .* shape \[H\]"),
+            (lambda: jattn.mods.relative_position_bias(jnp.ones(5)), r"\[H, 2R\+1\]"),
+            (lambda: jattn.mods.relative_position_bias(jnp.ones((2, 4))), "an odd width")]:
+        with pytest.raises(ValueError, match=match):
+            make()
+    window = jattn.create_mask(jattn.masks.sliding_window(np.int64(2)), None, None, 4, 4)
+    np.testing.assert_array_equal(window, jattn.create_mask(jattn.masks.sliding_window(2),
+                                                            None, None, 4, 4))
+
+
 @pytest.mark.parametrize("counts,indices,match", [
     ([3, 1], [[0, 1], [1, 0]], r"kv_num_blocks\[0, 0, 0\] = 3 is outside \[0, 2\]"),
     ([1, -1], [[0, 1], [1, 0]], r"kv_num_blocks\[0, 0, 1\] = -1 is outside"),

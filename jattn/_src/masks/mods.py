@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Any
 
 import jax
@@ -84,9 +85,9 @@ def sliding_window(window: int) -> MaskMod:
         dense = jattn.create_mask(jattn.masks.sliding_window(2), None, None, 4, 4)
         print(dense[0, 0].sum(axis=1))  # [1 2 2 2]; dense is bool (1, 1, 4, 4)
     """
-    if not isinstance(window, int) or window < 1:
+    if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window: `window` must be a positive int, got {window!r}.")
-    return _SlidingWindow(window)
+    return _SlidingWindow(int(window))
 
 
 @_library_mod("jattn.masks.sliding_window")
@@ -111,6 +112,14 @@ def prefix_lm(prefix_length: int) -> MaskMod:
         dense = jattn.create_mask(jattn.masks.prefix_lm(2), None, None, 4, 4)
         print(dense[0, 0, 0])  # [ True  True False False]; dense is bool (1, 1, 4, 4)
     """
+    if isinstance(prefix_length, bool) or (
+            isinstance(prefix_length, numbers.Number) and not (
+                isinstance(prefix_length, numbers.Integral) and prefix_length >= 0)) or (
+            hasattr(prefix_length, "dtype") and not (
+                jnp.issubdtype(prefix_length.dtype, jnp.integer)
+                and jnp.ndim(prefix_length) == 0)):
+        raise ValueError(f"prefix_lm: `prefix_length` must be an int >= 0 (or a 0-d integer "
+                         f"array), got {prefix_length!r}.")
     return _PrefixLM(prefix_length)
 
 
@@ -231,7 +240,11 @@ def alibi(slopes: jax.Array):
         out = jattn.flex_attention(q, k, v, jattn.mods.alibi(jattn.mods.alibi_slopes(4)))
         print(out.shape)  # (1, 4, 128, 32)
     """
-    return _Alibi(_as_array(slopes))
+    slopes = _as_array(slopes)
+    if slopes.ndim != 1:
+        raise ValueError(f"alibi: `slopes` must be one slope per query head, shape [H], got "
+                         f"shape {tuple(slopes.shape)}.")
+    return _Alibi(slopes)
 
 
 @_library_mod("jattn.mods.alibi")
@@ -303,7 +316,12 @@ def relative_position_bias(table: jax.Array):
             q, k, v, jattn.mods.relative_position_bias(t)).sum()
         print(jax.grad(loss)(table).shape)  # (2, 17)
     """
-    return _RelativePositionBias(_as_array(table))
+    table = _as_array(table)
+    if table.ndim != 2 or table.shape[1] % 2 != 1:
+        raise ValueError(f"relative_position_bias: `table` must be [H, 2R+1] (a bias per query "
+                         f"head and offset -R..R: an odd width), got shape "
+                         f"{tuple(table.shape)}.")
+    return _RelativePositionBias(table)
 
 
 @_library_mod("jattn.mods.relative_position_bias")
