@@ -152,7 +152,8 @@ def _forward(p: Problem, q, k, v, lists, score_caps, mask_caps):
     call) and its JVP rule (when differentiating) separately, and both call this; jit's trace
     cache makes the second a lookup instead of tracing the forward's kernels again. One jit per
     Problem, holding it weakly, so that JAX's trace caches drop a problem's traces when its
-    program is evicted (a module-level jit with the Problem static kept every one alive)."""
+    program is evicted (one jit taking the Problem as a static argument would keep every
+    problem alive in them)."""
     forward = _FORWARDS.get(p)
     if forward is None:
         problem = weakref.ref(p)
