@@ -480,12 +480,15 @@ def _default_device() -> torch.device:
 
 def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       device=None, BLOCK_SIZE: int | tuple[int, int] = 128,
-                      _compile: bool = False):
+                      _compile: bool = False, separate_full_blocks: bool = True,
+                      compute_dq_write_order: bool = False, dq_kv_order: bool = True):
     """A torch BlockMask built by `jattn.create_block_mask`, with torch's signature and
     defaults (`torch.nn.attention.flex_attention.create_block_mask`): device defaults to the
     current accelerator (else the CPU), BLOCK_SIZE is an int or (Q, KV) tuple, _compile is
-    accepted and has no effect (the builder is JAX-compiled). The lists are shared with JAX
-    without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
+    accepted and has no effect (the builder is JAX-compiled). separate_full_blocks=False lists
+    every visited block as partial (no full lists), as torch's; compute_dq_write_order and
+    dq_kv_order are accepted and have no effect (jattn's backward is deterministic without
+    write-order metadata). The lists are shared with JAX without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
     or a JAX function; the BlockMask keeps it as given. Under torch.compile the builder runs
     eagerly (a graph break: it is a JAX program, not torch ops).
 
@@ -499,11 +502,13 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
         mask = jt.create_block_mask(window, None, None, 256, 256, device="cpu", BLOCK_SIZE=64)
         print(mask.shape, mask.kv_indices.shape)  # (1, 1, 256, 256) torch.Size([1, 1, 4, 4])
     """
-    return _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE)
+    return _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
+                             bool(separate_full_blocks))
 
 
 @torch.compiler.disable  # a JAX program: torch.compile calls it as it is
-def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
+def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
+                      separate_full_blocks=True):
     device = _default_device() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -518,7 +523,12 @@ def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE):
         captures = [_dlpack.to_jax(t.to(device), "captured tensor") for t in tensors]
 
     def build(*arrays):
-        return jattn.create_block_mask(bind(arrays), B, H, Q_LEN, KV_LEN, block_size=block_size)
+        mask = jattn.create_block_mask(bind(arrays), B, H, Q_LEN, KV_LEN, block_size=block_size)
+        if separate_full_blocks:
+            return mask
+        return jattn.BlockMask.from_dense_blocks(
+            mask.partial_blocks() | mask.full_blocks(), None, block_size=mask.block_size,
+            seq_lengths=mask.seq_lengths, mask_mod=None)
     # On meta tensors the mask's lists are shapes: the builder runs abstractly (its checks
     # included), as torch's does on meta.
     with jax.default_device(jax.devices(platform)[0 if device.type == "meta" else

@@ -130,6 +130,16 @@ def test_create_block_mask_takes_torchs_arguments():
     compiled = torch.compile(jt.create_block_mask)(_causal, None, None, L, L, "cpu", 32)
     assert torch.equal(compiled.kv_indices, jt.create_block_mask(
         _causal, None, None, L, L, "cpu", 32).kv_indices)
+    merged = jt.create_block_mask(_causal, B, None, L, L, "cpu", 32, separate_full_blocks=False,
+                                  compute_dq_write_order=True, dq_kv_order=False)
+    # (compared with torch's separate lists: torch before 2.13 lacks the keywords)
+    separate = flex.create_block_mask(_causal, B, None, L, L, "cpu", 32)
+    assert merged.full_kv_num_blocks is None
+    assert torch.equal(merged.kv_num_blocks.long(), separate.kv_num_blocks.long()
+                       + separate.full_kv_num_blocks.long())
+    q, k, v = _qkv()
+    _close(jt.flex_attention(q, k, v, block_mask=merged, enable_gqa=True),
+           torch_flex(q, k, v, None, _causal))
 
 
 def test_a_block_mask_without_q_major_lists_trains():
