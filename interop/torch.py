@@ -488,9 +488,10 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
     accepted and has no effect (the builder is JAX-compiled). separate_full_blocks=False lists
     every visited block as partial (no full lists), as torch's; compute_dq_write_order and
     dq_kv_order are accepted and have no effect (jattn's backward is deterministic without
-    write-order metadata). The lists are shared with JAX without copies. mask_mod is torch-written (translated to JAX; what it reads is read now)
-    or a JAX function; the BlockMask keeps it as given. Under torch.compile the builder runs
-    eagerly (a graph break: it is a JAX program, not torch ops).
+    write-order metadata). The lists are shared with JAX without copies. mask_mod is
+    torch-written (translated to JAX; what it reads is read now) or a JAX function; the
+    BlockMask keeps it as given. Under torch.compile the builder runs eagerly (a graph break:
+    it is a JAX program, not torch ops).
 
     mask_mod takes int32 index tensors b, h, q_idx, kv_idx that broadcast to [B, H, q, kv] and
     returns bool. The result is a `torch.nn.attention.flex_attention.BlockMask` with int32
@@ -508,7 +509,7 @@ def create_block_mask(mask_mod, B: int | None, H: int | None, Q_LEN: int, KV_LEN
 
 @torch.compiler.disable  # a JAX program: torch.compile calls it as it is
 def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
-                      separate_full_blocks=True):
+                      separate_full_blocks: bool):
     device = _default_device() if device is None else torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

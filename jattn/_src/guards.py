@@ -26,7 +26,7 @@ import dataclasses
 import enum
 import functools
 import types
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import jax
@@ -55,24 +55,25 @@ class State(NamedTuple):
 def read_state(*fns: Any) -> State:
     """The State of `fns` (None entries allowed)."""
     walker = _Walker()
-    try:
-        record = tuple(walker.walk(fn) for fn in fns)
-        hash(record)  # (a pytree's static data, say, may not hash)
-    except (_Unrecordable, RecursionError, TypeError):
-        return State(None, walker.arrays)
-    return State(record, walker.arrays)
+    return _state(walker, lambda: tuple(walker.walk(fn) for fn in fns))
 
 
 def read_global(value: Any, names: frozenset[str]) -> State:
     """The State of a global that code naming `names` reads (of a user module: the attributes
     it names, as a function's walk records them)."""
     walker = _Walker()
+    return _state(walker, lambda: walker.global_value(value, names))
+
+
+def _state(walker: _Walker, record: Callable[[], Hashable]) -> State:
+    """The State of what `record()` walks with `walker`: no record where a value cannot be
+    recorded or the record does not hash (a pytree's static data, say)."""
     try:
-        record = walker.global_value(value, names)
-        hash(record)
+        recorded = record()
+        hash(recorded)
     except (_Unrecordable, RecursionError, TypeError):
         return State(None, walker.arrays)
-    return State(record, walker.arrays)
+    return State(recorded, walker.arrays)
 
 
 def is_library_function(fn: types.FunctionType) -> bool:
