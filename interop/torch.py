@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import typing
 
 import jax
 import torch
@@ -271,6 +272,7 @@ def _config(kernel_options, dtype: torch.dtype) -> str | None:
     if not isinstance(kernel_options, dict):
         raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
                         f"{type(kernel_options).__name__}.")
+    _check_backend(kernel_options)
     fields, sources = {}, {}
     prefixed = lambda key: key.startswith(("fwd_", "bwd_"))  # noqa: E731
     for key in sorted(kernel_options, key=prefixed):  # unprefixed first; prefixed ones win
@@ -289,6 +291,28 @@ def _config(kernel_options, dtype: torch.dtype) -> str | None:
     except (TypeError, ValueError) as error:
         raise ValueError(f"flex_attention: kernel_options {kernel_options} give an invalid "
                          f"jattn config: {error}") from None
+
+
+def _check_backend(kernel_options: dict) -> None:
+    """torch's checks of kernel_options["BACKEND"]: jattn picks its own kernels, but a value
+    torch rejects is a mistake torch users rely on hearing about."""
+    if "BACKEND" not in kernel_options:
+        return
+    if kernel_options.get("FORCE_USE_FLEX_ATTENTION", False):
+        raise RuntimeError("flex_attention: kernel_options BACKEND cannot be combined with the "
+                           "legacy FORCE_USE_FLEX_ATTENTION; drop FORCE_USE_FLEX_ATTENTION.")
+    valid = typing.get_args(getattr(_flex, "_Backend", None))
+    if valid and kernel_options["BACKEND"] not in valid:
+        raise ValueError(f"flex_attention: invalid kernel_options BACKEND value "
+                         f"{kernel_options['BACKEND']!r}; must be one of {valid}.")
+
+
+def _check_dense(query, key, value) -> None:
+    if any(isinstance(x, torch.Tensor) and x.is_nested for x in (query, key, value)):
+        raise NotImplementedError(
+            "flex_attention does not take NestedTensor (jagged) query, key or value, as "
+            "torch's does not: convert them to dense tensors, or pack the sequences into one "
+            "and keep them apart with a document mask_mod.")
 
 
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
@@ -328,7 +352,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (`create_block_mask` below, or torch's).
     kernel_options: BLOCK_M/BLOCK_N (forward tile), BLOCK_M1/N1/M2/N2 (jattn's one backward
     tile), num_warps/num_stages (fwd_/bwd_ prefixed too) become a `jattn.AttentionConfig`,
-    its other fields at their defaults; other keys are ignored.
+    its other fields at their defaults; a BACKEND torch rejects raises as in torch; other
+    keys are ignored. NestedTensor inputs raise NotImplementedError, as torch's do.
     Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True also the
     float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=..., max_scores=...)
     torch's AuxOutput (max_scores: each row's largest score, float32 [B, Hq, L]). In eager
@@ -359,6 +384,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse,
                     kernel_options, return_aux, implementation, sinks=None, dropout_p=0.0):
+    _check_dense(query, key, value)
     want_lse, want_max = _aux_request(return_lse, return_aux)
     _check_sinks(sinks, query)
     dropout_p = _checked_dropout(dropout_p)

@@ -27,6 +27,7 @@ CASES = {
                     key_value_seq_lengths=jnp.array([50, S])),
     "bias and mask": dict(with_bias=True, mask=jnp.arange(S)[None, None, None, :] % 3 != 1),
     "symmetric window, scale": dict(local_window_size=10, scale=0.3),
+    "NumPy window": dict(local_window_size=(np.int64(12), np.int32(3))),
 }
 
 
@@ -79,3 +80,5 @@ def test_bad_arguments_name_the_argument():
         jattn.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([3]))
     with pytest.raises(ValueError, match="`local_window_size` must be"):
         jattn.dot_product_attention(q, k, v, local_window_size=(-1, 2))
+    with pytest.raises(ValueError, match="`local_window_size` must be"):
+        jattn.dot_product_attention(q, k, v, local_window_size=2.5)

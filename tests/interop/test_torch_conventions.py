@@ -87,6 +87,26 @@ def test_return_aux_gives_torchs_aux_output():
         jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=64)
 
 
+@pytest.mark.parametrize("options, error", [
+    ({"BACKEND": "CUDNN"}, ValueError),
+    ({"BACKEND": "FLASH", "FORCE_USE_FLEX_ATTENTION": True}, RuntimeError)])
+def test_kernel_options_torch_rejects_raise_as_in_torch(options, error):
+    q, k, v = _qkv()
+    with pytest.raises(error, match="BACKEND"):
+        torch_flex(q, k, v, kernel_options=options)
+    with pytest.raises(error, match="BACKEND"):
+        jt.flex_attention(q, k, v, enable_gqa=True, kernel_options=options)
+
+
+def test_nested_tensors_raise_as_in_torch():
+    jagged = torch.nested.nested_tensor([torch.randn(HQ, 10, E), torch.randn(HQ, 12, E)],
+                                        layout=torch.jagged)
+    with pytest.raises(NotImplementedError, match="NestedTensor"):
+        torch_flex(jagged, jagged, jagged)
+    with pytest.raises(NotImplementedError, match="NestedTensor .* dense"):
+        jt.flex_attention(jagged, jagged, jagged)
+
+
 def test_kernel_options_become_jattns_config():
     """BLOCK_M/BLOCK_N and warps/stages reach the kernels (here through the Pallas
     interpreter) as the AttentionConfig they name; keys without a jattn counterpart are

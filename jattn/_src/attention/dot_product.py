@@ -9,8 +9,11 @@ mask_mod and a `bias` by a score_mod, both as captured arrays (the bias gets its
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jattn._src.attention.api import flex_attention_with_captures
 from jattn._src.attention.dropout import checked_dropout
@@ -133,10 +136,15 @@ def _read(x, b, h, q_idx, kv_idx):
 
 
 def _window(size) -> tuple[int, int] | None:
+    """(left, right) as Python ints; NumPy integers and 0-d integer arrays count as ints."""
     if size is None:
         return None
-    left, right = (size, size) if isinstance(size, int) else tuple(size)
-    if not (isinstance(left, int) and isinstance(right, int) and left >= 0 and right >= 0):
+    try:
+        pair = (size, size) if np.ndim(size) == 0 else tuple(size)
+        left, right = (operator.index(side) for side in pair)
+    except (TypeError, ValueError):
+        left = right = -1
+    if left < 0 or right < 0:
         raise ValueError(f"{_FN}: `local_window_size` must be a non-negative int or a pair "
                          f"(left, right) of them; got {size!r}.")
     return left, right
