@@ -184,15 +184,32 @@ def mixed_matmul(a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, *
 # ------------------------------------------------------------------------------------------------
 
 
-def _mask_tensors(block_mask, L: int, S: int, fn: str = "flex_attention"
+def _mask_tensors(block_mask, L: int, S: int, fn: str = "flex_attention", batch_heads=None
                   ) -> tuple[list[torch.Tensor], list[int]]:
     """A torch BlockMask's lists in the ops' order (zero-copy; the q-major ones derived from
-    the kv-major ones where the mask has none), and its block size."""
+    the kv-major ones where the mask has none), and its block size. Given q's (batch, heads),
+    the lists are read as torch's kernels read them (`_read_as_torch`)."""
     _check_block_mask(block_mask, L, S, fn)
     fields = [getattr(block_mask, name) for name in _ops.MASK_FIELDS]
     if fields[2] is None:
         fields = _with_q_major(fields, block_mask.seq_lengths, block_mask.BLOCK_SIZE)
-    return [f for f in fields if f is not None], list(block_mask.BLOCK_SIZE)
+    fields = [f for f in fields if f is not None]
+    if batch_heads is not None:
+        fields = _read_as_torch(fields, *batch_heads)
+    return fields, list(block_mask.BLOCK_SIZE)
+
+
+def _read_as_torch(lists: list[torch.Tensor], B: int, Hq: int) -> list[torch.Tensor]:
+    """The lists at q's batch and heads where the mask's are neither 1 nor q's: torch's
+    kernels read batch b and head h of a mask at (b % its batch, h % its heads), so a mask
+    built for 2 heads serves 4 query heads as heads 0, 1, 0, 1."""
+    Bm, Hm = lists[0].shape[:2]
+    if Bm in (1, B) and Hm in (1, Hq):
+        return lists
+    device = lists[0].device
+    batches = torch.arange(B, device=device) % Bm if Bm != 1 else slice(None)
+    heads = torch.arange(Hq, device=device) % Hm if Hm != 1 else slice(None)
+    return [x[batches][:, heads] for x in lists]
 
 
 def _check_block_mask(block_mask, L: int, S: int, fn: str) -> None:
@@ -400,7 +417,8 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
         # the registered ops (the largest scores: eager too), or dropout's eager path
         mask_tensors, block_size = [], [128, 128]
         if block_mask is not None:
-            mask_tensors, block_size = _mask_tensors(block_mask, L, S)
+            mask_tensors, block_size = _mask_tensors(block_mask, L, S,
+                                                     batch_heads=query.shape[:2])
         traced = compiling and not dropout_p
         mods, captures = (_ops.traced_mods if traced else _ops.capture_mods)(score_mod,
                                                                              mask_mod)
@@ -474,7 +492,8 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
     else:
         _check_block_mask(block_mask, L, S, "flex_attention")
         *kv_lists, seq_lengths, block_size = _FORWARD_FIELDS(block_mask)
-        kv_lists = kv_lists[:2] if kv_lists[2] is None else kv_lists
+        kv_lists = _read_as_torch(kv_lists[:2] if kv_lists[2] is None else kv_lists,
+                                  *query.shape[:2])
     mods, captures = _ops.capture_mods(score_mod, mask_mod)
     plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
                            len(captures), L, S, query.shape[0], query.shape[1], query.dtype,
@@ -484,7 +503,8 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
                           lambda: _ops.flex_facts(query, value, mods, captures))
     result = _ops.run_flex(
         plan, query, key, value, kv_lists, captures,
-        lambda: [] if block_mask is None else _mask_tensors(block_mask, L, S)[0],
+        lambda: [] if block_mask is None else _mask_tensors(
+            block_mask, L, S, batch_heads=query.shape[:2])[0],
         return_lse=want_lse)
     return result if want_lse else (result, None)
 

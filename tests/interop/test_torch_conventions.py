@@ -372,3 +372,24 @@ def test_compiled_calls_with_a_fresh_closure_each_step_do_not_recompile():
 
         _close(attend(q, k, v, add_bias), torch_flex(q, k, v, add_bias))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("mask_batch, mask_heads", [(1, 2), (2, 2)])
+def test_a_mask_with_fewer_heads_serves_query_heads_as_torchs_kernels_read_it(mask_batch,
+                                                                            mask_heads):
+    """torch's kernels read a BlockMask's lists at (b % its batch, h % its heads); a head
+    parity mask built for 2 heads serves 4 query heads, eagerly and compiled, with gradients."""
+    q, k, v = _qkv(requires_grad=True)
+
+    def parity(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & ((h % 2 == 0) | (q_idx - kv_idx < 20))
+
+    mask = jt.create_block_mask(parity, mask_batch, mask_heads, L, L, "cpu", 32)
+    gold = dense(*(x.double() for x in (q, k, v)), mask_mod=parity)
+    cotangent = torch.randn(B, HQ, L, E, generator=GEN)
+    want = torch.autograd.grad(gold, (q, k, v), cotangent.double())
+    for call in (jt.flex_attention, torch.compile(jt.flex_attention, fullgraph=True)):
+        out = call(q, k, v, block_mask=mask, enable_gqa=True)
+        _close(out, gold.float())
+        for got, expected in zip(torch.autograd.grad(out, (q, k, v), cotangent), want):
+            _close(got, expected.float(), tol=2e-5)
