@@ -274,3 +274,53 @@ def test_values_of_a_trace_are_never_stored():
     dense = jax.jit(lambda x: jattn.flex_attention(q, k, v) + x)(0.0)
     np.testing.assert_allclose(jattn.flex_attention(q, k, v, block_mask=odd), inside, atol=1e-6)
     np.testing.assert_allclose(jattn.flex_attention(q, k, v), dense, atol=1e-6)
+
+
+TABLE = np.arange(4.0)
+
+
+def _reads_global_table(s, b, h, q_idx, kv_idx):
+    return s + TABLE[h]
+
+
+def test_with_arrays_substitutes_where_the_walk_found_each_array():
+    """Closures, defaults, globals, containers and nested functions take the new arrays in
+    read_state's order (an array read twice stays one); arrays it cannot put elsewhere, a
+    function reading itself, or a wrong count raise."""
+    shared, bias = jnp.ones(4), jnp.full(4, 3.0)
+
+    def outer(s, b, h, q_idx, kv_idx, scale=jnp.array(2.0)):
+        return inner(s, h) * scale + shared[h] + {"bias": bias}["bias"][h] + _reads_global_table(
+            s, b, h, q_idx, kv_idx)
+
+    def inner(s, h):
+        return s * shared[h]
+
+    arrays = guards.read_state(outer).arrays
+    assert len(arrays) == 4  # scale, shared (once), bias, TABLE
+    new = [a + 1 for a in arrays]
+    rebuilt = guards.with_arrays(outer, new)
+    args = (jnp.float32(0.5), 0, 2, 0, 0)
+    assert guards.read_state(rebuilt).arrays == new
+    assert guards.read_state(rebuilt).record == guards.read_state(outer).record
+    assert TABLE[0] == 0.0  # the module's global is left as it is
+    expected = (0.5 * 2.0) * 3.0 + 2.0 + 4.0 + (0.5 + 3.0)
+    np.testing.assert_allclose(rebuilt(*args), expected)
+
+    @dataclasses.dataclass
+    class Holder:
+        table: jax.Array
+
+    held = Holder(jnp.ones(2))
+    with pytest.raises(ValueError, match="Holder"):
+        guards.with_arrays(lambda s, b, h, q, kv: s + held.table[h], [jnp.ones(2)])
+
+    def recursive(s, b, h, q_idx, kv_idx, depth=jnp.array(1)):
+        return s if depth is None else recursive(s, b, h, q_idx, kv_idx, None)
+
+    with pytest.raises(ValueError, match="reads itself"):
+        guards.with_arrays(recursive, [jnp.array(2)])
+    with pytest.raises(ValueError, match="too few"):
+        guards.with_arrays(outer, new[:3])
+    with pytest.raises(ValueError, match="left over"):
+        guards.with_arrays(outer, new + [jnp.ones(1)])

@@ -151,7 +151,8 @@ class _Walker:
         return ("class", _identity(cls), tuple(values))
 
     def _function(self, fn: types.FunctionType) -> Hashable:
-        # (on every eager call's path: absent parts are not walked)
+        # (on every eager call's path: absent parts are not walked.) The parts in the order
+        # `with_arrays` rebuilds them: cells, globals, defaults, keyword defaults, attributes.
         if id(fn) in self.active:
             return ("recursive", fn.__code__)
         self.active.add(id(fn))
@@ -165,9 +166,10 @@ class _Walker:
                 namespace = fn.__globals__
                 globals_ = tuple([(name, self.global_value(namespace[name], names))
                                   for name in names if name in namespace])
+            defaults = None if defaults is None else self.walk(defaults)
+            kwdefaults = None if kwdefaults is None else self.walk(kwdefaults)
             attributes = fn.__dict__  # (`mod.bias = ...`)
-            return ("function", code, None if defaults is None else self.walk(defaults),
-                    None if kwdefaults is None else self.walk(kwdefaults), cells, globals_,
+            return ("function", code, defaults, kwdefaults, cells, globals_,
                     self.walk(attributes) if attributes else None)
         finally:
             self.active.discard(id(fn))
@@ -202,6 +204,87 @@ class _Walker:
         if isinstance(value, types.SimpleNamespace):
             return ("namespace", self.walk(vars(value)))
         raise _Unrecordable
+
+
+def with_arrays(value: Any, arrays: list) -> Any:
+    """`value` reading `arrays` where it read the arrays `read_state` found in it (in their
+    walk order; one array read through two names stays one): user functions are made again
+    around them (their code, with new cells, defaults and, where a global changes, a copy of
+    their globals), containers and pytrees unflattened. Raises ValueError where an array sits
+    elsewhere (a dataclass, a partial, a module, a function's attributes), where a function
+    reads itself, or where the arrays' count differs."""
+    substitutes = iter(arrays)
+    rebuilt = _Rebuild(substitutes).value(value)
+    if next(substitutes, None) is not None:
+        raise ValueError("arrays left over: the value reads fewer arrays than given")
+    return rebuilt
+
+
+class _Rebuild:
+    """`with_arrays`' walk, in `_Walker`'s order over the parts it can make again."""
+
+    def __init__(self, substitutes):
+        self.substitutes = substitutes
+        self.done: dict[int, Any] = {}  # id of each original array -> its substitute
+        self.active: set[int] = set()
+
+    def value(self, value: Any) -> Any:
+        kind = type(value)
+        if value is None or kind in (bool, int, str, bytes, float):
+            return value
+        if kind is types.FunctionType:
+            return value if is_library_function(value) else self._function(value)
+        if isinstance(value, (jax.Array, np.ndarray)):
+            if id(value) not in self.done:
+                substitute = next(self.substitutes, None)
+                if substitute is None:
+                    raise ValueError("too few arrays for the arrays the value reads")
+                self.done[id(value)] = substitute
+            return self.done[id(value)]
+        if kind in (tuple, list):
+            return kind(self.value(x) for x in value)
+        if kind is dict:
+            return {self._unchanged(k): self.value(v) for k, v in value.items()}
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        if not (len(leaves) == 1 and leaves[0] is value):  # a registered pytree node
+            return treedef.unflatten([self.value(x) for x in leaves])
+        return self._unchanged(value)
+
+    @staticmethod
+    def _unchanged(value: Any, state: State | None = None) -> Any:
+        """A value kept as it is: the walk must find no array in it."""
+        if (state or read_state(value)).arrays:
+            raise ValueError(f"an array read through a {type(value).__name__} cannot be "
+                             "substituted")
+        return value
+
+    def _function(self, fn: types.FunctionType) -> types.FunctionType:
+        if id(fn) in self.active:
+            raise ValueError(f"{fn.__qualname__} reads itself")
+        self.active.add(id(fn))
+        closure = tuple(types.CellType() if (contents := cell_contents(c)) is EMPTY_CELL
+                        else types.CellType(self.value(contents))
+                        for c in fn.__closure__ or ())
+        namespace = fn.__globals__
+        names = global_names(fn.__code__)
+        replaced = {name: self._global(namespace[name], names) for name in names
+                    if name in namespace}
+        if any(new is not namespace[name] for name, new in replaced.items()):
+            namespace = {**namespace, **replaced}  # (a copy: the module stays as it is)
+        defaults = None if fn.__defaults__ is None else self.value(fn.__defaults__)
+        kwdefaults = None if fn.__kwdefaults__ is None else self.value(fn.__kwdefaults__)
+        if fn.__dict__:
+            self._unchanged(fn.__dict__)
+        new = types.FunctionType(fn.__code__, namespace, fn.__name__, defaults, closure or None)
+        new.__kwdefaults__, new.__qualname__ = kwdefaults, fn.__qualname__
+        new.__dict__.update(fn.__dict__)
+        self.active.discard(id(fn))
+        return new
+
+    def _global(self, value: Any, names: frozenset[str]) -> Any:
+        if isinstance(value, types.ModuleType):  # (the attributes `names` reads: no arrays)
+            return self._unchanged(value, read_global(value, names))
+        return self.value(value)
 
 
 def _identity(value: Any) -> Hashable:
