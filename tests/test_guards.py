@@ -215,6 +215,69 @@ def test_what_a_mod_computes_from_numpy_arrays_is_computed_again(derive):
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+TEMPERATURE = np.array([1.0], np.float32)
+SOFTCAP = None
+
+
+def _tempered(s, b, h, q_idx, kv_idx):
+    return s / TEMPERATURE[0]  # a NumPy scalar: a constant of the trace
+
+
+def _maybe_capped(s, b, h, q_idx, kv_idx):
+    return s if SOFTCAP is None else SOFTCAP * jnp.tanh(s / SOFTCAP)
+
+
+def test_values_read_from_numpy_arrays_in_python_are_read_again():
+    """Rebinding a global NumPy array or editing it in place changes what the mod computes,
+    for flex_attention, a matmul epilogue and create_block_mask."""
+    global TEMPERATURE
+    q, k, v = _qkv()
+    for rebind, value in ((True, 0.25), (False, 4.0)):
+        jattn.flex_attention(q, k, v, _tempered, implementation="xla")
+        if rebind:
+            TEMPERATURE = np.array([value], np.float32)
+        else:
+            TEMPERATURE[0] = value
+        expected = jattn.flex_attention(q, k, v, lambda s, *_: s / value, implementation="xla")
+        np.testing.assert_allclose(jattn.flex_attention(q, k, v, _tempered,
+                                                        implementation="xla"), expected)
+    gain = np.array([1.0], np.float32)
+    a, b = q[0, 0], k[0, 0].T
+    jattn.matmul(a, b, epilogue=lambda t: t * gain[0], implementation="xla")
+    gain[0] = 3.0
+    np.testing.assert_allclose(jattn.matmul(a, b, epilogue=lambda t: t * gain[0],
+                                            implementation="xla"), 3 * (a @ b), rtol=1e-5)
+    window = np.array([16])
+    windowed = lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < window[0])  # noqa: E731
+    jattn.create_block_mask(windowed, None, None, 256, 256, block_size=16)
+    window[0] = 128
+    want = jattn.create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < 128), None, None,
+                                   256, 256, block_size=16)
+    got = jattn.create_block_mask(windowed, None, None, 256, 256, block_size=16)
+    np.testing.assert_array_equal(got.kv_num_blocks, want.kv_num_blocks)
+
+
+def test_a_mod_that_once_returned_its_score_is_applied_when_it_no_longer_does():
+    """A module-level mod gated by a global: the check that drops a do-nothing mod must not
+    keep its first answer (JAX caches make_jaxpr by the function's identity)."""
+    global SOFTCAP
+    q, k, v = _qkv()
+    SOFTCAP = None
+    try:
+        for implementation in ("xla", "interpret"):
+            jattn.flex_attention(q, k, v, _maybe_capped, implementation=implementation)
+        SOFTCAP = 0.5
+        expected = jattn.flex_attention(q, k, v, lambda s, *_: 0.5 * jnp.tanh(s / 0.5),
+                                        implementation="xla")
+        np.testing.assert_allclose(jattn.flex_attention(q, k, v, _maybe_capped,
+                                                        implementation="xla"), expected,
+                                   rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(jax.jit(lambda q: jattn.flex_attention(
+            q, k, v, _maybe_capped, implementation="xla"))(q), expected, rtol=1e-6, atol=1e-6)
+    finally:
+        SOFTCAP = None
+
+
 def test_create_block_mask_with_new_ids_each_step_neither_traces_nor_compiles(traces):
     compiles = []
 
@@ -276,7 +339,7 @@ def test_values_of_a_trace_are_never_stored():
     np.testing.assert_allclose(jattn.flex_attention(q, k, v), dense, atol=1e-6)
 
 
-TABLE = np.arange(4.0)
+TABLE = jnp.arange(4.0)
 
 
 def _reads_global_table(s, b, h, q_idx, kv_idx):

@@ -16,8 +16,9 @@ A value the walk cannot record — an object of no known structure, a structure 
 `MAX_VALUES` values — gives no record: such calls trace every time, never reuse a stale plan.
 One array read through two names is recorded as one, so a call where they are two arrays
 does not reuse its plan. Values a function reads from JAX arrays in Python while it is traced
-(`int(ids[0])`) are, as under `jax.jit`, taken when it is traced; values it computes from NumPy
-arrays in Python (`table.T`) are computed again on every call: such calls trace every time.
+(`int(ids[0])`) are, as under `jax.jit`, taken when it is traced. NumPy arrays are recorded by
+value (a hash of their bytes), so what a function computes from them in Python (`temps[0]`,
+`table.T`) belongs to the record: a plan is reused only where they hold the same values.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ class _Walker:
             if seen < len(self.arrays):
                 return ("same array", seen)
             self.arrays.append(value)
+            if isinstance(value, np.ndarray):
+                return _numpy_record(value)
             return ("array", value.shape, value.dtype, getattr(value, "weak_type", False))
         if isinstance(value, np.generic):
             return ("scalar", value.dtype, value.tobytes())
@@ -287,6 +290,15 @@ class _Rebuild:
         return self.value(value)
 
 
+def _numpy_record(value: np.ndarray) -> Hashable:
+    """A NumPy array by value (a hash of its bytes: ~0.25 ms a MB): a mod may read its values
+    in Python (`temps[0]`, `table.T`), which a trace keeps as constants, and the array may be
+    edited in place between calls."""
+    if value.dtype.hasobject:
+        raise _Unrecordable  # (its bytes are pointers)
+    return ("numpy", value.shape, value.dtype, hash(value.tobytes()))
+
+
 def _identity(value: Any) -> Hashable:
     """Library code, classes and enum members: recorded as themselves (by identity)."""
     try:
@@ -326,12 +338,10 @@ def fetch(sources: tuple, arrays: list) -> list:
 def sources_of(values: list, arrays: list) -> tuple | None:
     """Where each of `values` (a trace's captured arrays) comes from on a later call: an index
     into the State's `arrays` (the same array, or JAX's wrapper of the same NumPy array), or a
-    value the trace made itself (stored). None where a value is traced by an outer
-    transformation (the plan would hold it past the call) or, where the function reads NumPy
-    arrays, is not one of them: it may have been computed from them in Python (`table.T`,
-    `table * 2`, `table[1:]`), which a later call must do again with its own arrays."""
+    value the trace made itself (stored: a constant, or computed in Python from values the
+    record holds, NumPy arrays included). None where a value is traced by an outer
+    transformation (the plan would hold it past the call)."""
     index = {id(a): i for i, a in enumerate(arrays)}
-    reads_numpy = any(isinstance(a, np.ndarray) for a in arrays)
     sources = []
     for value in values:
         position = index.get(id(value))
@@ -339,7 +349,7 @@ def sources_of(values: list, arrays: list) -> tuple | None:
             position = index[id(value.base)]
         if position is not None:
             sources.append(("array", position))
-        elif isinstance(value, jax.core.Tracer) or reads_numpy:
+        elif isinstance(value, jax.core.Tracer):
             return None
         else:
             sources.append(("value", value))

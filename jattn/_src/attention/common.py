@@ -142,7 +142,10 @@ def returns_its_score(score_mod: Callable[..., jax.Array], dtype) -> bool:
     be traced on scalars is not."""
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     try:
-        closed = jax.make_jaxpr(score_mod)(jax.ShapeDtypeStruct((), dtype), *[scalar] * 4)
+        # (through a fresh function: make_jaxpr caches a trace by the function's identity,
+        # and what a mod reads — a rebound global, a config's attribute — may have changed)
+        closed = jax.make_jaxpr(lambda *args: score_mod(*args))(
+            jax.ShapeDtypeStruct((), dtype), *[scalar] * 4)
     except Exception:  # its errors are checked_score_mod's to explain, at the call's shapes
         return False
     jaxpr = jaxpr_and_consts(closed)[0]

@@ -115,7 +115,7 @@ def kernel_program(fn: Callable, *args: jax.ShapeDtypeStruct,
     on its own values compiled by the `triton` package and equations `evaluable` accepts
     (then only JAX can run it); the default accepts none: one kernel on the arguments, or
     None. Errors of tracing `fn` propagate. Call on a machine with a CUDA GPU."""
-    closed = jax.make_jaxpr(fn)(*args)
+    closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)  # (not make_jaxpr's cache: by identity)
     equations, results = _inlined(closed)
     slots = {var: i for i, var in enumerate(jaxpr_and_consts(closed)[0].invars)}
 

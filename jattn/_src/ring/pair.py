@@ -54,7 +54,8 @@ def reading(fn: Callable[..., Any], original_ids: Sequence[int],
         slot_of.setdefault(original, slot)
 
     def rebound(*args):
-        closed = jax.make_jaxpr(fn)(*(_struct(x) for x in args))
+        # (a fresh function: make_jaxpr caches a trace by the function's identity)
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*(_struct(x) for x in args))
         captures, slots = list(replacements), []
         for const in closed.consts:
             slot = slot_of.get(id(const))
@@ -99,8 +100,9 @@ def uses_batch_or_head(mask_mod: Callable[..., Any],
     """Whether mask_mod's result depends on its b and h arguments (the BlockMask then needs
     those axes; otherwise one row of blocks serves every batch and head): called on indices
     of distinct broadcast shapes, its result has an axis of each argument it uses."""
-    shape = jax.eval_shape(mask_mod, _index(2, 1, 1, 1), _index(1, 3, 1, 1),
-                           _index(1, 1, 5, 1), _index(1, 1, 1, 7), *extra_args).shape
+    shape = jax.eval_shape(lambda *args: mask_mod(*args),  # (fresh: not cached by identity)
+                           _index(2, 1, 1, 1), _index(1, 3, 1, 1), _index(1, 1, 5, 1),
+                           _index(1, 1, 1, 7), *extra_args).shape
     padded = (1,) * (4 - len(shape)) + tuple(shape)
     return padded[0] == 2, padded[1] == 3
 
