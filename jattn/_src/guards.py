@@ -218,9 +218,12 @@ def with_arrays(value: Any, arrays: list) -> Any:
     reads itself, or where the arrays' count differs."""
     substitutes = iter(arrays)
     rebuilt = _Rebuild(substitutes).value(value)
-    if next(substitutes, None) is not None:
+    if next(substitutes, _NONE_LEFT) is not _NONE_LEFT:
         raise ValueError("arrays left over: the value reads fewer arrays than given")
     return rebuilt
+
+
+_NONE_LEFT = object()  # (the substitutes may be anything, None included: jax.tree.map's)
 
 
 class _Rebuild:
@@ -239,8 +242,8 @@ class _Rebuild:
             return value if is_library_function(value) else self._function(value)
         if isinstance(value, (jax.Array, np.ndarray)):
             if id(value) not in self.done:
-                substitute = next(self.substitutes, None)
-                if substitute is None:
+                substitute = next(self.substitutes, _NONE_LEFT)
+                if substitute is _NONE_LEFT:
                     raise ValueError("too few arrays for the arrays the value reads")
                 self.done[id(value)] = substitute
             return self.done[id(value)]

@@ -195,3 +195,23 @@ def test_a_mask_mod_reading_array_values_in_python_still_passes_through_jit():
         mask = jattn.create_block_mask(mask_mod, None, None, L, L, block_size=32)
         np.testing.assert_allclose(step(x, mask), jattn.flex_attention(x, x, x, block_mask=mask),
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("source", ["closure", "library"])
+def test_a_block_mask_keeps_its_tree_structure_under_tree_map(source):
+    """jax.tree.map to any leaves (True, None: equinox's partition) keeps the structure, and
+    mapping back to arrays gives a mask that attends as the original."""
+    ids = _document_ids(0, 1, 64)[0]
+    mask_mod = (jattn.masks.document_mask(ids) if source == "library"
+                else lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+    mask = jattn.create_block_mask(mask_mod, None, None, 64, 64, block_size=16)
+    structure = jax.tree.structure(mask)
+    assert jax.tree.structure(jax.tree.map(lambda x: True, mask)) == structure
+    jax.tree.map(lambda x: None, mask)
+    arrays = [x for x in jax.tree.leaves(mask) if isinstance(x, jax.Array)]
+    partitioned = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else None, mask)
+    again = jax.tree.unflatten(structure, [x + 0 for x in jax.tree.leaves(partitioned)])
+    assert len(arrays) == structure.num_leaves
+    x = jax.random.normal(jax.random.key(0), (1, 2, 64, 16))
+    np.testing.assert_allclose(jattn.flex_attention(x, x, x, block_mask=again),
+                               jattn.flex_attention(x, x, x, block_mask=mask), rtol=1e-6)

@@ -286,7 +286,14 @@ def _flatten(mask: BlockMask):
     """Children: the lists and the arrays the mask_mod reads: its pytree leaves (jattn.masks'
     mods) and the arrays plain functions among them read directly (a user's closure over
     document ids, a global rebound per batch: `function_arrays`), so that new ids pass
-    through jax.jit as arguments; the rest is static."""
+    through jax.jit as arguments; the rest is static. A BlockMask made by `_unflatten` keeps
+    the structure it was made with, whatever its leaves are now (`jax.tree.map(f, mask)`
+    keeps the tree's structure, as for any pytree)."""
+    lists = tuple(getattr(mask, name) for name in _LISTS)
+    made = mask.__dict__.get("_made_from")
+    if made is not None:
+        aux, mod_children = made
+        return (*lists, *mod_children), aux
     leaves, mod_tree = jax.tree_util.tree_flatten(mask.mask_mod)
     arrays, static = [], []
     for leaf in leaves:
@@ -298,13 +305,13 @@ def _flatten(mask: BlockMask):
             static.append(parts[0])
         else:
             static.append(leaf)
-    children = (*(getattr(mask, name) for name in _LISTS), *arrays)
-    return children, (mask.block_size, mask.seq_lengths, mod_tree, tuple(static))
+    return (*lists, *arrays), (mask.block_size, mask.seq_lengths, mod_tree, tuple(static))
 
 
 def _unflatten(aux, children) -> BlockMask:
     block_size, seq_lengths, mod_tree, static = aux
-    arrays = iter(children[len(_LISTS):])
+    mod_children = tuple(children[len(_LISTS):])
+    arrays = iter(mod_children)
     leaves = []
     for x in static:
         if x is None:
@@ -313,8 +320,10 @@ def _unflatten(aux, children) -> BlockMask:
             leaves.append(x.rebuild([next(arrays) for _ in range(x.n_arrays)]))
         else:
             leaves.append(x)
-    return BlockMask(*children[:len(_LISTS)], block_size=block_size, seq_lengths=seq_lengths,
+    mask = BlockMask(*children[:len(_LISTS)], block_size=block_size, seq_lengths=seq_lengths,
                      mask_mod=mod_tree.unflatten(leaves))
+    object.__setattr__(mask, "_made_from", (aux, mod_children))
+    return mask
 
 
 jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
