@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import jattn
+from jattn._src import user_functions
 from jattn._src.attention import xla as attention_xla
 from jattn._src.hardware import has_cuda
 from tests.helpers import random
@@ -132,6 +133,31 @@ def test_decode_and_matmul_eager_calls_reuse_programs(compiles):
     expected = jattn.flex_attention(q, k[:, :, :10], v[:, :, :10], implementation="xla")
     tolerance = 5e-3 if has_cuda() else 2e-5  # float32 products are TF32 on the GPU
     np.testing.assert_allclose(out[:1], expected[:1], rtol=tolerance, atol=tolerance)
+
+
+def test_eager_decode_with_mods_neither_traces_nor_compiles_again(compiles, monkeypatch):
+    """flex_decode on xla wraps the user's score_mod in jattn's own closures (its clear
+    errors, the decode positions): they are recorded as a plain closure is, so the second
+    call with new lengths and a new bias reuses the plan, tracing nothing."""
+    mod_traces = []
+    trace = user_functions.CaptureSet.trace
+    monkeypatch.setattr(user_functions.CaptureSet, "trace", lambda self, fn, signature: (
+        mod_traces.append(fn), trace(self, fn, signature))[1])
+    rng = np.random.default_rng(1)
+    q, k, v = (random(rng, (2, 4, n, E)) for n in (1, L, L))
+
+    def call(bias, lengths):
+        return jattn.flex_decode(q, k, v, lambda s, b, h, qi, ki: s + bias[h],
+                                 kv_len=lengths, implementation="xla")
+
+    bias, lengths = jnp.arange(4.0), jnp.array([10, 20])
+    call(jnp.zeros(4), jnp.array([100, 200])).block_until_ready()
+    traced, compiled = len(mod_traces), len(compiles)
+    out = call(bias, lengths)
+    assert (len(mod_traces), len(compiles)) == (traced, compiled)
+    expected = jattn.flex_attention(q, k[:, :, :10], v[:, :, :10],
+                                    lambda s, b, h, qi, ki: s + bias[h], implementation="xla")
+    np.testing.assert_allclose(out[:1], expected[:1], rtol=2e-5, atol=2e-5)
 
 
 def _rss_mib() -> float:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import sys
 import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
@@ -36,7 +37,8 @@ import numpy as np
 # Values one record may hold: a closure over a model object is not walked whole every call.
 MAX_VALUES = 512
 
-# Modules whose functions and objects are library code: recorded by identity, never walked.
+# Modules whose functions and objects are library code (these and the standard library):
+# recorded by identity, never walked.
 _LIBRARY_MODULES = ("jax", "jaxlib", "numpy", "math", "builtins", "functools", "operator",
                     "jattn", "typing", "collections", "enum", "dataclasses", "torch")
 
@@ -88,7 +90,8 @@ def _is_library(value: Any) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _is_library_module(module: str) -> bool:
-    return module.split(".")[0] in _LIBRARY_MODULES
+    top = module.split(".")[0]
+    return top in _LIBRARY_MODULES or top in sys.stdlib_module_names  # (contextlib, abc, ...)
 
 
 class _Walker:
@@ -181,8 +184,7 @@ class _Walker:
         """A global the code names; of a user module, the attributes the code names too
         (`config.WINDOW` reads `config`'s WINDOW; `package.config.WINDOW` through a
         submodule)."""
-        if isinstance(value, types.ModuleType) and (
-                value.__name__.split(".")[0] not in _LIBRARY_MODULES):
+        if isinstance(value, types.ModuleType) and not _is_library_module(value.__name__):
             self.count += 1
             if self.count > MAX_VALUES:
                 raise _Unrecordable
