@@ -132,6 +132,21 @@ def test_second_derivatives_on_xla_equal_the_references():
         assert_close(x, g, r, what="hessian")
 
 
+@pytest.mark.parametrize("order", ["hessian", "grad of grad"])
+def test_second_derivatives_on_a_kernel_implementation_name_the_fix(order):
+    q = random(np.random.default_rng(6), (1, 2, 16, 8))
+    table = jnp.ones(2)
+
+    def loss(table):
+        return (jattn.flex_attention(q, q, q, lambda s, b, h, i, j: s + table[h] * (j - i),
+                                     implementation="interpret") ** 2).sum()
+
+    twice = (jax.hessian(loss) if order == "hessian"
+             else jax.grad(lambda t: jax.grad(loss)(t).sum()))
+    with pytest.raises(NotImplementedError, match="second derivatives .* implementation='xla'"):
+        twice(table)
+
+
 class ForwardModeBackendTests:
     """What every `flex_attention` backend must do in forward mode: each backend's class below
     names it, and a new backend is one more class."""

@@ -184,7 +184,8 @@ def _flex_jvp(p: Problem, primals, tangents):
     arrays that are not floating point) are left out of both."""
     q, k, v, lists, score_caps, mask_caps = primals
     dq, dk, dv, _, d_caps, _ = tangents
-    outputs = _forward(p, *primals)
+    outputs = (_forward(p, *primals) if p.implementation.backend is backends.XLA
+               else _kernel_forward(p, *primals))
     differentiated = tuple(not isinstance(t, SymbolicZero) and jnp.issubdtype(
         jnp.result_type(c), jnp.floating) for t, c in zip(d_caps, score_caps))
     linear = (*(None if isinstance(t, SymbolicZero) else t for t in (dq, dk, dv)),
@@ -223,10 +224,39 @@ def _backward(p: Problem, res: Residuals, d_out, d_lse):
     LSE's cotangent is zero (no work is spent on it)."""
     d_lse = None if d_lse is None else d_lse.astype(res.lse.dtype)
     with precision.applied(p.precision):  # (the backward is traced after the forward's scope)
-        dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out, d_lse)
+        if p.implementation.backend is backends.XLA:  # (itself differentiable: jax.hessian)
+            dq, dk, dv, d_caps = p.implementation.module.backward(p, res, d_out, d_lse)
+        else:
+            dq, dk, dv, d_caps = _kernel_backward(p, res.differentiated, res[:-1], d_out,
+                                                  d_lse)
     dq, dk, dv = (summed_to_vary_like(d, x) for d, x in ((dq, res.q), (dk, res.k), (dv, res.v)))
     d_caps = [summed_to_vary_like(d, c) for d, c in zip(d_caps, res.score_captures)]
     return dq, dk, dv, d_caps
+
+
+# A Pallas implementation's kernels have no derivative of their own: a gradient of a gradient
+# (jax.hessian) differentiates the JVP rule's forward and the backward, which raises this
+# rather than an error from inside Pallas. (XLA's forward and backward are differentiable.)
+def _no_second_derivative(p: Problem, *_):
+    raise NotImplementedError(
+        f"flex_attention: second derivatives (a gradient of a gradient, jax.hessian) run on "
+        f"implementation='xla' only: {p.implementation.name}'s kernels have no derivative. "
+        "Pass implementation='xla' to the call you differentiate twice.")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _kernel_forward(p: Problem, q, k, v, lists, score_caps, mask_caps):
+    return _forward(p, q, k, v, lists, score_caps, mask_caps)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_backward(p: Problem, differentiated, residuals, d_out, d_lse):
+    return p.implementation.module.backward(p, Residuals(*residuals, differentiated), d_out,
+                                            d_lse)
+
+
+_kernel_forward.defjvp(_no_second_derivative)
+_kernel_backward.defjvp(_no_second_derivative)
 
 
 # ------------------------------------------------------------------------------------------------
