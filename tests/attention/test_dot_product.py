@@ -28,6 +28,8 @@ CASES = {
     "bias and mask": dict(with_bias=True, mask=jnp.arange(S)[None, None, None, :] % 3 != 1),
     "symmetric window, scale": dict(local_window_size=10, scale=0.3),
     "NumPy window": dict(local_window_size=(np.int64(12), np.int32(3))),
+    "2-D bias and mask": dict(with_bias=True, bias_axes=2,
+                              mask=jnp.arange(S)[None, :] % 4 != 2),
 }
 
 
@@ -36,6 +38,8 @@ def test_outputs_and_gradients_equal_jax_nn(case):
     options = dict(CASES[case])
     q, k, v, bias = _inputs(len(case))
     bias = bias if options.pop("with_bias", False) else None
+    if options.pop("bias_axes", 4) == 2:
+        bias = bias[0, 0]  # [T, S], as jax.nn takes it
     lengths = options.get("query_seq_lengths")
     valid = (jnp.ones((B, T), bool) if lengths is None else
              jnp.arange(T)[None, :] < lengths[:, None])[..., None, None]
@@ -71,7 +75,8 @@ def test_unbatched_arrays_and_jit():
 
 def test_bad_arguments_name_the_argument():
     q, k, v, bias = _inputs(10)
-    with pytest.raises(ValueError, match=r"`bias` must be 4-D .* got shape \(3, 4, 48, 80\)"):
+    with pytest.raises(ValueError, match=r"`bias` must have at most 4 axes .* got shape "
+                                         r"\(3, 4, 48, 80\)"):
         jattn.dot_product_attention(q, k, v, jnp.zeros((3, N, T, S)))
     with pytest.raises(TypeError, match="`mask` must be bool"):
         jattn.dot_product_attention(q, k, v, mask=jnp.zeros((1, 1, T, S)))
@@ -82,3 +87,8 @@ def test_bad_arguments_name_the_argument():
         jattn.dot_product_attention(q, k, v, local_window_size=(-1, 2))
     with pytest.raises(ValueError, match="`local_window_size` must be"):
         jattn.dot_product_attention(q, k, v, local_window_size=2.5)
+    with pytest.raises(TypeError, match="dot_product_attention: query, key and value must "
+                                        "share a dtype"):
+        jattn.dot_product_attention(q, k.astype(jnp.bfloat16), v)
+    with pytest.raises(ValueError, match="implementation='cudnn' names jax.nn's"):
+        jattn.dot_product_attention(q, k, v, implementation="cudnn")

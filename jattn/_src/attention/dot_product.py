@@ -34,10 +34,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     Args:
       query: [B, T, N, H] (or [T, N, H]); key, value: [B, S, K, H] (or [S, K, H]), N a
         multiple of K (grouped-query attention).
-      bias: added to the scaled logits, 4-D (3-D without a batch), broadcastable to
-        [B, N, T, S]; differentiable.
-      mask: bool, True where a logit takes part; 4-D (3-D without a batch), broadcastable to
-        [B, N, T, S].
+      bias: added to the scaled logits, broadcastable to [B, N, T, S] with missing leading
+        axes counted as 1, as in jax.nn ([T, S] serves every batch and head); differentiable.
+      mask: bool, True where a logit takes part; broadcastable likewise.
       scale, is_causal, query_seq_lengths, key_value_seq_lengths ([B] int32),
         local_window_size ((left, right) or one int for both), return_residual: as in
         jax.nn.dot_product_attention. The causal mask is aligned at the first query and key,
@@ -71,7 +70,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                          f"without B); got {query.shape}, {key.shape}, {value.shape}.")
     if not batched:
         query, key, value = (x[None] for x in (query, key, value))
-        bias, mask = (None if x is None else jnp.asarray(x)[None] for x in (bias, mask))
+    if not query.dtype == key.dtype == value.dtype:
+        raise TypeError(f"{_FN}: query, key and value must share a dtype (as jax.nn's), got "
+                        f"{query.dtype}, {key.dtype} and {value.dtype}.")
+    if implementation == "cudnn":
+        raise ValueError(f"{_FN}: implementation='cudnn' names jax.nn's cuDNN kernel; jattn's "
+                         "are 'pallas_mosaic_gpu', 'pallas_triton', 'xla' and 'interpret' "
+                         "(None picks the fastest on the device).")
     B, T, N, _ = query.shape
     S = key.shape[1]
     bias = _checked_pairwise("bias", bias, B, N, T, S)
@@ -120,13 +125,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
 
 
 def _checked_pairwise(name: str, x, B: int, N: int, T: int, S: int):
-    """A bias or mask as a 4-D array broadcastable to [B, N, T, S] (None passes through)."""
+    """A bias or mask as a 4-D array broadcastable to [B, N, T, S], leading axes of size 1
+    added as jax.nn adds them ([T, S] serves every batch and head); None passes through."""
     if x is None:
         return None
     x = jnp.asarray(x)
+    if x.ndim <= 4:
+        x = x.reshape((1,) * (4 - x.ndim) + x.shape)
     if x.ndim != 4 or any(d not in (1, full) for d, full in zip(x.shape, (B, N, T, S))):
-        raise ValueError(f"{_FN}: `{name}` must be 4-D (3-D without a batch) and broadcastable "
-                         f"to [B, N, T, S] = {[B, N, T, S]}; got shape {x.shape}.")
+        raise ValueError(f"{_FN}: `{name}` must have at most 4 axes and broadcast to "
+                         f"[B, N, T, S] = {[B, N, T, S]} (missing leading axes count as 1); "
+                         f"got shape {x.shape}.")
     return x
 
 
