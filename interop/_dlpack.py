@@ -157,10 +157,36 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 
 def narrowed(tensor: torch.Tensor) -> torch.Tensor:
     """int64 as int32 unless JAX runs with x64 (its default integer is 32-bit), converted by
-    torch: a torch kernel costs a few microseconds, JAX's eager conversion ~0.2 ms (H100)."""
+    torch: a torch kernel costs a few microseconds, JAX's eager conversion ~0.2 ms (H100).
+    Values beyond int32 raise (`_check_fits_int32`) rather than wrap."""
     if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
+        if not torch.compiler.is_compiling():
+            _check_fits_int32(tensor)
         return tensor.to(torch.int32)
     return tensor
+
+
+# int64 tensors found to fit in int32, at the version (in-place edits) they were checked at:
+# a CUDA tensor's check waits for the device, so a tensor read again is not checked again.
+_FITS_INT32: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INT32 = torch.iinfo(torch.int32)
+
+
+def _check_fits_int32(tensor: torch.Tensor) -> None:
+    """Raises ValueError where an int64 tensor a mod reads holds a value int32 cannot (a
+    timestamp, a hash): narrowed, it would compare and compute wrongly without a sign."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return
+    if tensor.device.type != "cpu" and _FITS_INT32.get(tensor) == tensor._version:
+        return
+    low, high = (int(x) for x in torch.aminmax(tensor.detach()))
+    if low < _INT32.min or high > _INT32.max:
+        raise ValueError(
+            f"a tensor a mod reads holds int64 values in [{low}, {high}], beyond int32: jattn "
+            "computes a mod's integers in int32 (JAX's default), where they would wrap. "
+            "Subtract a base first (`ts - ts.min()`).")
+    if tensor.device.type != "cpu":
+        _FITS_INT32[tensor] = tensor._version
 
 
 def x64_scope(*tensors):

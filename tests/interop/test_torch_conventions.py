@@ -393,3 +393,23 @@ def test_a_mask_with_fewer_heads_serves_query_heads_as_torchs_kernels_read_it(ma
         _close(out, gold.float())
         for got, expected in zip(torch.autograd.grad(out, (q, k, v), cotangent), want):
             _close(got, expected.float(), tol=2e-5)
+
+
+def test_int64_values_beyond_int32_raise_rather_than_wrap():
+    """Timestamps in a captured int64 tensor: narrowed to int32 they would compare wrongly;
+    after subtracting a base they fit and the mask is torch's."""
+    stamps = 1_720_000_000_000 + 1000 * torch.arange(L, dtype=torch.int64)
+
+    def by_time(b, h, q_idx, kv_idx):
+        return stamps[kv_idx] <= stamps[q_idx]
+
+    with pytest.raises(ValueError, match=r"int64 values in \[1720000000000, .* beyond int32"):
+        jt.create_block_mask(by_time, None, None, L, L, "cpu", 32)
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="Subtract a base first"):
+        jt.flex_attention(q, k, v, lambda s, b, h, qi, ki: s - 1e-3 * (stamps[qi] > 0),
+                          enable_gqa=True)
+    stamps = stamps - stamps.min()
+    mask = jt.create_block_mask(by_time, None, None, L, L, "cpu", 32)
+    assert torch.equal(mask.to_dense(), flex.create_block_mask(_causal, None, None, L, L, "cpu",
+                                                               32).to_dense())
