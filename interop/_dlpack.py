@@ -156,13 +156,19 @@ def to_jax(tensor: torch.Tensor, name: str) -> jax.Array:
 
 
 def narrowed(tensor: torch.Tensor) -> torch.Tensor:
-    """int64 as int32 unless JAX runs with x64 (its default integer is 32-bit), converted by
-    torch: a torch kernel costs a few microseconds, JAX's eager conversion ~0.2 ms (H100).
-    Values beyond int32 raise (`_check_fits_int32`) rather than wrap."""
+    """A tensor a mod reads in a dtype JAX keeps: int64 as int32 and float64 as float32 unless
+    JAX runs with x64 (its default integer is 32-bit, and a float32 call's mods compute in
+    float32), int16 as int32; converted by torch: a torch kernel costs a few
+    microseconds, JAX's eager conversion ~0.2 ms (H100). int64 values beyond int32 raise
+    (`_check_fits_int32`) rather than wrap."""
     if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
         if not torch.compiler.is_compiling():
             _check_fits_int32(tensor)
         return tensor.to(torch.int32)
+    if tensor.dtype == torch.float64 and not jax.config.jax_enable_x64:
+        return tensor.to(torch.float32)  # (a float32 call's mods compute in float32)
+    if tensor.dtype == torch.int16:
+        return tensor.to(torch.int32)  # (exact)
     return tensor
 
 

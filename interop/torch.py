@@ -567,7 +567,8 @@ def _build_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE,
         translation, tensors = capture(mask_mod, "mask")
         _dlpack.wait_for_torch(device)
         bind = translation.mod.bind
-        captures = [_dlpack.to_jax(t.to(device), "captured tensor") for t in tensors]
+        captures = [_dlpack.to_jax(_dlpack.narrowed(t.to(device)), "captured tensor")
+                    for t in tensors]
 
     def build(*arrays):
         mask = jattn.create_block_mask(bind(arrays), B, H, Q_LEN, KV_LEN, block_size=block_size)

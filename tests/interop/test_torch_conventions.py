@@ -4,6 +4,7 @@ torch.compile(fullgraph=True) of a module that uses the op."""
 
 import warnings
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -413,3 +414,26 @@ def test_int64_values_beyond_int32_raise_rather_than_wrap():
     mask = jt.create_block_mask(by_time, None, None, L, L, "cpu", 32)
     assert torch.equal(mask.to_dense(), flex.create_block_mask(_causal, None, None, L, L, "cpu",
                                                                32).to_dense())
+
+
+def test_float64_and_int16_tensors_a_mod_reads_serve_a_float32_call():
+    """ALiBi slopes made by NumPy (float64) on float32 q, k, v, with their gradient in float64;
+    int16 document ids in a mask: as in torch."""
+    q, k, v = _qkv(requires_grad=True)
+    slopes = torch.from_numpy(2.0 ** (-np.arange(1, HQ + 1))).requires_grad_(True)
+    ids = (torch.arange(L) // 24).to(torch.int16)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def documents(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    mask = jt.create_block_mask(documents, None, None, L, L, "cpu", 32)
+    out = jt.flex_attention(q, k, v, alibi, mask, enable_gqa=True)
+    expected = torch_flex(q, k, v, alibi, documents)
+    _close(out, expected, tol=2e-5)
+    (grad,) = torch.autograd.grad(out.sum(), slopes)
+    assert grad.dtype == torch.float64 and torch.isfinite(grad).all()
+    gold = dense(*(x.detach().double() for x in (q, k, v)), alibi, documents)
+    assert torch.allclose(out.double(), gold, atol=2e-5)
