@@ -422,16 +422,18 @@ def _capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     return translation, tensors
 
 
-def _call(trampoline: _Trampoline, mod, kind: str, identity):
-    """(translation, tensors) from one trampoline call; None for a JAX mod."""
+def _call(trampoline: _Trampoline, mod, kind: str, identity, retried: bool = False):
+    """(translation, tensors) from one trampoline call; None for a JAX mod. A trampoline past
+    Dynamo's recompile limit is replaced once (a mod that fails on the fresh one too gets its
+    own error)."""
     _SLOT.value = None
     try:
         out = trampoline.compiled(mod, *_EXAMPLES[kind])
     except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
-        if _is_recompile_limit(error):
+        if _is_recompile_limit(error) and not retried:
             with _LOCK:
                 fresh = _TRAMPOLINES[kind][identity] = _Trampoline(kind, mod)
-            return _call(fresh, mod, kind, identity)
+            return _call(fresh, mod, kind, identity, retried=True)
         if _is_jax_mod(mod, kind):
             _JAX_MODS[kind][identity] = True
             return None

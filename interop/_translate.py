@@ -88,6 +88,18 @@ def _gelu(x, approximate="none"):
     return jax.nn.gelu(x, approximate=approximate == "tanh")
 
 
+def _leaky_relu(x, negative_slope=0.01):
+    return jnp.where(x > 0, x, x * negative_slope)
+
+
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    return jnp.where(x > 0, x * scale, jnp.expm1(x * input_scale) * (alpha * scale))
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    return jnp.clip(x, min_val, max_val)
+
+
 def _full(size, value, *, dtype=None, **_):
     return jnp.full(tuple(size), value, None if dtype is None else jax_dtype(dtype))
 
@@ -183,6 +195,9 @@ OPS: dict = {
     aten.sigmoid.default: jax.nn.sigmoid, aten.erf.default: jax.scipy.special.erf,
     aten.erfc.default: jax.scipy.special.erfc, aten.erfinv.default: jax.scipy.special.erfinv,
     aten.gelu.default: _gelu, aten.relu.default: jax.nn.relu,
+    aten.leaky_relu.default: _leaky_relu, aten.elu.default: _elu,
+    aten.hardtanh.default: _hardtanh, aten.signbit.default: jnp.signbit,
+    aten.i0.default: jax.scipy.special.i0,
     aten.floor.default: jnp.floor, aten.ceil.default: jnp.ceil, aten.trunc.default: jnp.trunc,
     aten.round.default: jnp.round, aten.frac.default: lambda x: x - jnp.trunc(x),
     aten.isnan.default: jnp.isnan, aten.isinf.default: jnp.isinf,

@@ -279,6 +279,10 @@ SCORE_MODS = {
     "tan_silu_gelu": lambda s, b, h, q, kv: torch.tan(s / 8) + torch.nn.functional.silu(s)
     + torch.nn.functional.gelu(s) + torch.nn.functional.gelu(s, approximate="tanh"),
     "trig": lambda s, b, h, q, kv: torch.sin(torch.cos(s)) + torch.tan(b.float()),
+    "activations": lambda s, b, h, q, kv: torch.nn.functional.leaky_relu(s, 0.2)
+    + torch.nn.functional.elu(s) + torch.nn.functional.selu(s) + torch.nn.functional.celu(s, 0.5)
+    + torch.nn.functional.relu6(s * 4) + torch.nn.functional.hardtanh(s, -0.5, 0.25)
+    + torch.where(torch.signbit(s), 1.0, 0.5) + torch.i0(s / 4),
     "exp2_log1p": lambda s, b, h, q, kv: s + torch.log1p(torch.exp2(-(h + 1) * 0.5)),
     "full_like": lambda s, b, h, q, kv: torch.where(q >= kv, s, torch.full_like(s, -1e4)),
     "shifts": lambda s, b, h, q, kv: s + ((q >> 2) & 3) - (kv << 1) % 7,
