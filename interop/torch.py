@@ -248,6 +248,10 @@ def _block_mask_mod(block_mask):
     """The mask_mod a BlockMask's partial blocks apply (None: torch's noop_mask)."""
     if block_mask is None or block_mask.mask_mod is _flex.noop_mask:
         return None
+    if block_mask.mask_mod is getattr(_flex, "_sliced_mask_mod_error", None):
+        raise RuntimeError("flex_attention: cannot use the mask_mod of a sliced BlockMask (as "
+                           "torch says): give the slice its own, e.g. "
+                           "`mask.mask_mod = offset_mask_mod` for decoding.")
     return block_mask.mask_mod
 
 

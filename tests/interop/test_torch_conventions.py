@@ -437,3 +437,10 @@ def test_float64_and_int16_tensors_a_mod_reads_serve_a_float32_call():
     assert grad.dtype == torch.float64 and torch.isfinite(grad).all()
     gold = dense(*(x.detach().double() for x in (q, k, v)), alibi, documents)
     assert torch.allclose(out.double(), gold, atol=2e-5)
+
+
+def test_a_sliced_block_masks_mask_mod_raises_as_in_torch():
+    mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    q, k, v = _qkv()
+    with pytest.raises(RuntimeError, match="sliced BlockMask"):
+        jt.flex_attention(q, k, v, block_mask=mask[:, :, 1:], enable_gqa=True)
