@@ -202,10 +202,19 @@ def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
                "xla_dequant": time_jax(jax.jit(dequantise_then_dot), quant_sets),
                "jattn_bf16": time_jax(jax.jit(jattn.matmul), dense_sets),
                "xla_bf16": time_jax(jax.jit(_dot32), dense_sets)}
-    weight_bytes = {key: quant_bytes if key in ("jattn", "xla_dequant") else dense_bytes
-                    for key in seconds}
-    err = float(jnp.abs(ours(*quant_sets[0]).astype(jnp.float32)
-                        - dequantise_then_dot(*quant_sets[0]).astype(jnp.float32)).max())
+    mosaic = jax.jit(lambda a, q, s: jattn.mixed_matmul(a, q, s, **mode,
+                                                        implementation="pallas_mosaic_gpu"))
+    try:  # (Hopper, and a shape its tiles divide)
+        seconds["jattn_mosaic"] = time_jax(mosaic, quant_sets)
+    except ValueError:
+        mosaic = None
+    weight_bytes = {key: quant_bytes if key in ("jattn", "xla_dequant", "jattn_mosaic")
+                    else dense_bytes for key in seconds}
+    expected = dequantise_then_dot(*quant_sets[0]).astype(jnp.float32)
+    err = float(jnp.abs(ours(*quant_sets[0]).astype(jnp.float32) - expected).max())
+    if mosaic is not None:
+        err = max(err, float(jnp.abs(mosaic(*quant_sets[0]).astype(jnp.float32)
+                                     - expected).max()))
     return {"case": name, "baseline": "bf16", "m": m, "n": n, "k": k, **mode,
             "seconds": seconds, "tflops": {key: 2 * m * n * k / t / 1e12
                                            for key, t in seconds.items()},

@@ -18,6 +18,7 @@ from jattn._src.gemm.b2b import b2b_matmul as b2b_matmul
 from jattn._src.gemm.config import B2BConfig as B2BConfig
 from jattn._src.gemm.config import MatmulConfig as MatmulConfig
 from jattn._src.gemm.config import MosaicMatmulConfig as MosaicMatmulConfig
+from jattn._src.gemm.config import MosaicMixedConfig as MosaicMixedConfig
 from jattn._src.gemm.mixed_matmul import mixed_matmul as mixed_matmul
 from jattn._src.gemm.mm_plus_mm import mm_plus_mm as mm_plus_mm
 from jattn._src.gemm.quantize import dequantize_weight as dequantize_weight
@@ -33,7 +34,7 @@ from jattn._src.ring.sharded import sharded_flex_attention as sharded_flex_atten
 from jattn._src.ring.layout import to_zigzag as to_zigzag
 
 __all__ = ["AttentionConfig", "B2BConfig", "BlockMask", "DecodeConfig", "MatmulConfig",
-           "MosaicMatmulConfig",
+           "MosaicMatmulConfig", "MosaicMixedConfig",
            "PagedKVCache", "b2b_matmul", "bmm", "clear_caches", "create_block_mask", "create_mask",
            "dequantize_weight", "dot_product_attention", "explain", "flax_dot_product_attention",
            "flex_attention", "flex_decode", "from_zigzag", "masks", "matmul", "mixed_matmul",

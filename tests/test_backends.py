@@ -15,7 +15,7 @@ OPS = ("flex_attention", "flex_decode", "matmul", "bmm", "mm_plus_mm", "b2b_matm
 def test_every_op_runs_on_xla_and_the_triton_kernels_and_some_also_on_mosaic_gpu():
     for op in OPS:
         expected = {"xla", "pallas_triton", "interpret"}
-        if op in ("flex_attention", "matmul", "bmm", "scaled_matmul"):
+        if op in ("flex_attention", "matmul", "bmm", "scaled_matmul", "mixed_matmul"):
             expected.add("pallas_mosaic_gpu")
         assert set(backends.implementations(op)) == expected, op
 

@@ -107,6 +107,15 @@ def backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
+def mosaic_gpu_interpreted() -> bool:
+    """Whether Mosaic GPU kernels traced now run in JAX's GPU interpreter
+    (`force_gpu_interpret_mode`, which the CPU tests of those kernels use)."""
+    from jax._src import config
+
+    manager = getattr(config, "pallas_tpu_interpret_mode_context_manager", None)
+    return manager is not None and manager.value is not None
+
+
 def dlpack_capsule_functions():
     """(import, export): jaxlib's DLPack capsule calls that `jax.dlpack.from_dlpack` and
     `__dlpack__` wrap, without their per-tensor host synchronisation; (None, None) where this

@@ -133,6 +133,13 @@ def test_mosaic_gpu_kernels():
         scaled = functools.partial(jattn.scaled_matmul, a8, b8, scale_a, scale_b,
                                    use_fast_accum=fast)
         _close_to_fp8_sums(scaled(implementation=MOSAIC), a8, b8, scale_a, scale_b)
+    # The weight-only kernel: int4 per channel (64 weight rows a program) and int8 per group.
+    for bits, group_size in ((4, None), (8, 128)):
+        w = random(rng, (512, 384))
+        qweight, scales = jattn.quantize_weight(w, bits=bits, group_size=group_size)
+        mixed = functools.partial(jattn.mixed_matmul, random(rng, (24, 512), jnp.bfloat16),
+                                  qweight, scales, bits=bits, group_size=group_size)
+        _close(mixed(implementation=MOSAIC), mixed(implementation="xla"))
     # Attention: forward and both backward kernels, a per-head score_mod and a causal mask.
     q, k, v = (random(rng, (1, 2, 256, 128), jnp.bfloat16) for _ in range(3))
     head_bias = random(rng, (2,))

@@ -197,9 +197,14 @@ def key_blocks(p: Problem, lists: BlockLists, b, h, owner, partial, block_kv: in
                          pl.ds(lists.block(owner, partial, step) * block_kv, block_kv))
 
 
-def load_vector(ref, layout):
-    """A 1-D ref's values in registers, in `layout` (ROW or COLUMN)."""
+def load(ref, layout, *, optimized: bool = False):
+    """A ref's values in registers, in `layout`."""
     # jax 0.11 takes the ref alone (an index beside it is deprecated); 0.10 needs one.
     index = inspect.signature(plgpu.load).parameters["idx"].default
     return plgpu.load(ref, *([()] if index is inspect.Parameter.empty else []), layout=layout,
-                      optimized=False)
+                      optimized=optimized)
+
+
+def load_vector(ref, layout):
+    """A 1-D ref's values in registers, in `layout` (ROW or COLUMN)."""
+    return load(ref, layout)

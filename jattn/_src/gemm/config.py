@@ -114,9 +114,11 @@ def heuristic_config(m: int, n: int, k: int, dtype: np.dtype, fast_accum: bool =
     return dataclasses.replace(config, split_k=_split_k_for(m, n, k, config))
 
 
-def heuristic_mixed_config(m: int, n: int, k: int, bits: int) -> MatmulConfig:
-    """The default config of `jattn.mixed_matmul`: 16-bit activations [m, k], a [k, n] weight of
-    `bits`-bit integers.
+def heuristic_mixed_config(m: int, n: int, k: int, bits: int,
+                           group_size: int | None = None) -> MatmulConfig:
+    """The default config of `jattn.mixed_matmul` on pallas_triton: 16-bit activations [m, k],
+    a [k, n] weight of `bits`-bit integers (any group_size: the kernel chunks its K-steps by
+    groups).
 
     Decode-shaped M (<= 64) streams the weight once; one row tile covers all of M. The H100
     sweep winners at M=16, N=K=8192 (benchmarks/HISTORY.md): int8 64 x 512 tiles, 4 stages, no
@@ -315,6 +317,71 @@ def mosaic_search_space(m: int, n: int, k: int, dtype: np.dtype, fast_accum: boo
             candidates.append(config)
     heuristic = heuristic_mosaic_config(m, n, k, dtype, fast_accum, batch)
     return candidates + [heuristic] * (heuristic not in candidates)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicMixedConfig:
+    """Tiles of the Mosaic GPU weight-only GEMM (`mixed_matmul` on Hopper, `pallas_mosaic_gpu`).
+
+    block_m: tokens (rows of a) per tile, a multiple of 8 up to 256 (wgmma's N; M is padded to
+      a multiple of it).
+    block_n: weight rows (output columns) per program: 128 (each of the two consumer warpgroups
+      multiplies 64) or 64 (the two take alternate K-steps of the same rows and add their sums
+      at the end: twice the programs, for N too small to give every SM 128 rows).
+    block_k: the K-step, 128 or 256 weights; a group_size must be a multiple of it.
+    num_stages: K-steps of activations and weights in flight in shared memory.
+
+    Invalid values raise ValueError. Frozen and hashable.
+
+    Example::
+
+        config = jattn.MosaicMixedConfig(block_m=16, block_n=64, block_k=256, num_stages=8)
+        print(config.shared_memory_bytes(bits=4))  # 139264
+    """
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 256
+    num_stages: int = 4
+
+    def __post_init__(self):
+        check_positive(self, "block_m", "num_stages")
+        if self.block_m % 8 or self.block_m > 256:
+            raise ValueError(f"MosaicMixedConfig.block_m must be a multiple of 8 up to 256 "
+                             f"(wgmma's N), got {self.block_m}.")
+        if self.block_n not in (64, 128):
+            raise ValueError(f"MosaicMixedConfig.block_n must be 64 or 128 weight rows, got "
+                             f"{self.block_n}.")
+        if self.block_k not in (128, 256):
+            raise ValueError(f"MosaicMixedConfig.block_k must be 128 or 256, got "
+                             f"{self.block_k}.")
+
+    def shared_memory_bytes(self, bits: int) -> int:
+        """Bytes of shared memory: the ring of activation (16-bit) and weight tiles, the
+        output staging and the second consumer's sum."""
+        step = self.block_m * self.block_k * 2 + self.block_n * self.block_k * bits // 8
+        return self.num_stages * step + self.block_m * 128 * 2 + 64 * self.block_m * 4
+
+
+# Most K-steps in flight for the weight-only kernel (shared memory permitting).
+_MIXED_STAGES = 8
+
+
+def heuristic_mosaic_mixed_config(m: int, n: int, k: int, bits: int,
+                                  group_size: int | None = None) -> MosaicMixedConfig:
+    """The default Mosaic weight-only config: one token tile covering M (up to 128), K-steps
+    of 256 weights where the groups allow (else 128), 64 weight rows per program where 128
+    would leave SMs without weights to stream, and as many stages as shared memory holds."""
+    block_m = min(128, -(-m // 8) * 8)
+    block_k = 256 if group_size is None or group_size % 256 == 0 else 128
+    token_tiles = -(-m // block_m)
+    block_n = 64 if token_tiles * (n // 128) < _WAVE_FILL * num_sms() else 128
+    stages = max(1, min(_MIXED_STAGES, k // block_k))
+    config = MosaicMixedConfig(block_m=block_m, block_n=block_n, block_k=block_k,
+                               num_stages=stages)
+    while config.num_stages > 1 and config.shared_memory_bytes(bits) > SHARED_MEMORY_BYTES:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
 
 
 # The widest output side a b2b program holds in registers as its fp32 accumulator: [64, 256]

@@ -1,7 +1,7 @@
 """mixed_matmul: bf16/f16 activations times an int8 or int4 weight, dequantised in the kernel.
 
-Validation, config choice and the custom_vjp live here; the kernel is pallas_triton_mixed, the
-quantisation format gemm/quantize.
+Validation, config choice and the custom_vjp live here; the kernels are pallas_triton_mixed
+and pallas_mosaic_gpu_mixed, the quantisation format gemm/quantize.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import jax.numpy as jnp
 
 from jattn._src import backends
 from jattn._src.backends import Implementation
-from jattn._src.gemm import pallas_triton_mixed, quantize, xla
+from jattn._src.gemm import pallas_mosaic_gpu_mixed, pallas_triton_mixed, quantize, xla
 from jattn._src.gemm.api import product_for_shape
-from jattn._src.gemm.config import MatmulConfig, heuristic_mixed_config
+from jattn._src.gemm.config import (MatmulConfig, MosaicMixedConfig, heuristic_mixed_config,
+                                    heuristic_mosaic_mixed_config)
 from jattn._src.programs import jitted
 
 _OP = "mixed_matmul"
@@ -26,8 +27,20 @@ _ACTIVATION_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _QWEIGHT_DTYPES = {8: jnp.dtype(jnp.int8), 4: jnp.dtype(jnp.uint8)}
 
 
+def _triton_unsupported(*, config=None, **facts) -> str | None:
+    if isinstance(config, MosaicMixedConfig):
+        return ("a MosaicMixedConfig gives pallas_mosaic_gpu's tiles; pass a MatmulConfig for "
+                "these kernels.")
+    return None
+
+
 backends.register_xla_and_kernels(_OP, xla, pallas_triton_mixed, config_class=MatmulConfig,
-                                  heuristic=heuristic_mixed_config)
+                                  heuristic=heuristic_mixed_config,
+                                  unsupported=_triton_unsupported)
+backends.register(Implementation(
+    _OP, backends.PALLAS_MOSAIC_GPU, pallas_mosaic_gpu_mixed,
+    unsupported=pallas_mosaic_gpu_mixed.unsupported, slower=pallas_mosaic_gpu_mixed.slower,
+    config_class=MosaicMixedConfig, heuristic=heuristic_mosaic_mixed_config))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +48,7 @@ class _Options:
     """Everything static about one call (the custom_vjp's non-differentiable argument)."""
 
     implementation: Implementation
-    config: MatmulConfig | None
+    config: MatmulConfig | MosaicMixedConfig | None
     bits: int
     group_size: int | None
 
@@ -118,12 +131,14 @@ def _check_inputs(a, qweight, scales, bits, group_size) -> tuple[int, int]:
     return k, n
 
 
-def _resolve_config(config, m: int, n: int, k: int, bits: int) -> MatmulConfig:
+def _resolve_config(implementation: Implementation, config, m: int, n: int, k: int, bits: int,
+                    group_size: int | None):
     if config is None:
-        return heuristic_mixed_config(m, n, k, bits)
-    if not isinstance(config, MatmulConfig):
-        raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
-    if bits == 4 and config.block_k < 32:
+        return implementation.heuristic(m, n, k, bits, group_size)
+    if not isinstance(config, implementation.config_class):
+        raise TypeError(f"{_OP}: `config` must be a {implementation.config_class.__name__} "
+                        f"for implementation {implementation.name!r}, or None; got {config!r}.")
+    if bits == 4 and isinstance(config, MatmulConfig) and config.block_k < 32:
         raise ValueError(f"{_OP}: int4 needs config.block_k >= 32 (16-byte weight rows per K "
                          f"step), got block_k={config.block_k}.")
     return config
@@ -148,10 +163,13 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
       bits: 8 or 4.
       group_size: None, or the K rows sharing a scale: a multiple of 16 (int8) or 32 (int4)
         dividing K.
-      config: a MatmulConfig (used as given; int4 needs block_k >= 32; split_k > 1 sums fp32
-        partials in XLA) or None (heuristic).
-      implementation: "pallas_triton", "xla" (dequantises in float32, then one dot) or
-        "interpret", as in `jattn.matmul`.
+      config: a MatmulConfig for pallas_triton (used as given; int4 needs block_k >= 32;
+        split_k > 1 sums fp32 partials in XLA), a MosaicMixedConfig for pallas_mosaic_gpu, or
+        None (heuristic).
+      implementation: "pallas_triton", "pallas_mosaic_gpu" (Hopper: N a multiple of its 64 or
+        128 weight rows, K of its K-step, group_size of the K-step; not yet the default: it
+        has not been timed against pallas_triton), "xla" (dequantises in float32, then one
+        dot) or "interpret", as in `jattn.matmul`.
 
     Returns:
       [..., M, N] of a's dtype. Differentiable in `a` and `scales`; the integer `qweight` is
@@ -169,17 +187,18 @@ def mixed_matmul(a: jax.Array, qweight: jax.Array, scales: jax.Array, *, bits: i
     quantize.check_bits(_OP, bits)
     a, qweight, scales = (jnp.asarray(x) for x in (a, qweight, scales))
     k, n = _check_inputs(a, qweight, scales, bits, group_size)
-    implementation = backends.resolve(_OP, implementation, dtype=a.dtype)
-    if 0 in (*a.shape, *qweight.shape):
-        implementation = backends.for_empty(_OP)
     *lead, _ = a.shape
     m = math.prod(lead)
+    if not (config is None or isinstance(config, (MatmulConfig, MosaicMixedConfig))):
+        raise TypeError(f"{_OP}: `config` must be a MatmulConfig (pallas_triton), a "
+                        f"MosaicMixedConfig (pallas_mosaic_gpu) or None, got {config!r}.")
+    implementation = backends.resolve(_OP, implementation, dtype=a.dtype, m=m, n=n, k=k,
+                                      bits=bits, group_size=group_size, config=config)
+    if 0 in (*a.shape, *qweight.shape):
+        implementation = backends.for_empty(_OP)
     resolved = None
-    if not implementation.tunable:
-        if not (config is None or isinstance(config, MatmulConfig)):
-            raise TypeError(f"{_OP}: `config` must be a MatmulConfig or None, got {config!r}.")
-    else:
-        resolved = _resolve_config(config, m, n, k, bits)
+    if implementation.tunable:
+        resolved = _resolve_config(implementation, config, m, n, k, bits, group_size)
     scales = scales.reshape(-1, n)
     options = _Options(implementation, resolved, bits, group_size)
     return jitted(_mixed_matmul, options)(a.reshape(m, k), qweight, scales).reshape(*lead, n)
