@@ -16,6 +16,7 @@ if (not os.path.exists("/dev/nvidiactl")
         and "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+import jax
 import pytest
 
 from jattn._src import hardware
@@ -36,3 +37,18 @@ def as_if_on_hopper(monkeypatch):
     """Selects the GPU paths without a GPU (only lowering runs, nothing executes)."""
     monkeypatch.setattr(hardware, "has_cuda", lambda: True)
     monkeypatch.setattr(hardware, "is_hopper", lambda: True)
+
+
+@pytest.fixture
+def mosaic_interpreted(as_if_on_hopper, monkeypatch):
+    """Mosaic GPU kernels run in JAX's GPU interpreter on the CPU (jax >= 0.11: 0.10's cannot
+    load from global memory), their programs walking several tiles each."""
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        pytest.skip("jax 0.10's Mosaic GPU interpreter cannot load from global memory "
+                    "(jax >= 0.11 runs these; the GPU machine has it)")
+    from jax._src.pallas.mosaic_gpu.interpret.params import (InterpretGPUParams,
+                                                              force_gpu_interpret_mode)
+
+    monkeypatch.setattr(hardware, "num_sms", lambda: 3)
+    with force_gpu_interpret_mode(InterpretGPUParams()):
+        yield

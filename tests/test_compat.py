@@ -193,3 +193,11 @@ def test_environment_variable_reads_what_os_environ_holds(monkeypatch):
     assert compat.environment_variable(name) == "pallas_triton"
     monkeypatch.setenv(name, "")
     assert compat.environment_variable(name) == ""
+
+
+def test_mosaic_gpu_interpreted_follows_jaxs_interpret_mode():
+    assert not compat.mosaic_gpu_interpreted()
+    params = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+    with params.force_gpu_interpret_mode(params.InterpretGPUParams()):
+        assert compat.mosaic_gpu_interpreted()
+    assert not compat.mosaic_gpu_interpreted()

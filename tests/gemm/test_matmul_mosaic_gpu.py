@@ -2,10 +2,10 @@
 
 On the CPU: the registry's reasons for the calls the kernel cannot run, the default choice, the
 config's validation, and the kernel lowered for CUDA (forward, backward, batches, float32
-output, fp8 with either accumulation). The Mosaic GPU interpreter cannot run it (no wgmma), so
-its numerics are checked on the GPU against a float64 golden: tile shapes and orders, bias,
-float16, float32 output, gradients, batches, fp8 scales (scaled_matmul's own tests hold the
-rest).
+output, fp8 with either accumulation); with jax >= 0.11, tile orders, bias and fp8 scales in
+JAX's Mosaic GPU interpreter. On the GPU against a float64 golden: tile shapes and orders,
+bias, float16, float32 output, gradients, batches, fp8 scales (scaled_matmul's own tests hold
+the rest).
 """
 
 import functools
@@ -370,3 +370,32 @@ def test_scaled_matmul_matches_golden(m, n, k, dtype, mode, fast):
     args = (a, b, scale_a, scale_b, bias)
     assert out.dtype == jnp.bfloat16
     assert_close(out, golden(reference, *args), low_precision(reference, *args))
+
+
+# ------------------------------------------------------------------------------------------------
+# Numerics in JAX's Mosaic GPU interpreter (jax >= 0.11; its wgmma reads shared memory, as
+# this kernel's does)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [
+    jattn.MosaicMatmulConfig(block_m=128, block_n=128, split="m", num_stages=2, group=2),
+    jattn.MosaicMatmulConfig(block_m=128, block_n=256, num_stages=3, minor="m", group=1),
+])
+def test_tile_orders_and_bias_match_golden_interpreted(mosaic_interpreted, config):
+    rng = np.random.default_rng(config.num_stages)
+    a, b = random(rng, (384, 320), jnp.bfloat16), random(rng, (320, 512), jnp.bfloat16)
+    _check_matmul(MOSAIC, a, b, config=config, bias=random(rng, (512,), jnp.float32))
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_scales_match_golden_interpreted(mosaic_interpreted, fast):
+    rng = np.random.default_rng(int(fast))
+    f8 = jnp.float8_e4m3fn
+    a, b = random(rng, (256, 512)).astype(f8), random(rng, (512, 256)).astype(f8)
+    scale_a, scale_b = random(rng, (256,)) ** 2, random(rng, (256,)) ** 2
+    out = jattn.scaled_matmul(a, b, scale_a, scale_b, use_fast_accum=fast,
+                              config=jattn.MosaicMatmulConfig(128, 128, 128, 2, split="m"),
+                              implementation=MOSAIC)
+    args = (a, b, scale_a, scale_b)
+    assert_close(out, golden(scaled_matmul_reference, *args),
+                 low_precision(scaled_matmul_reference, *args))

@@ -122,20 +122,6 @@ def test_forward_and_gradient_lower_for_cuda(as_if_on_hopper):
 # Numerics, in the Mosaic GPU interpreter (jax >= 0.11)
 # ------------------------------------------------------------------------------------------------
 
-@pytest.fixture
-def interpreted(as_if_on_hopper, monkeypatch):
-    """Mosaic GPU kernels run in JAX's GPU interpreter on the CPU."""
-    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
-        pytest.skip("jax 0.10's Mosaic GPU interpreter cannot load from global memory "
-                    "(jax >= 0.11 runs these; the GPU machine has it)")
-    from jax._src.pallas.mosaic_gpu.interpret.params import (InterpretGPUParams,
-                                                              force_gpu_interpret_mode)
-
-    monkeypatch.setattr(hardware, "num_sms", lambda: 3)  # programs walk several tiles
-    with force_gpu_interpret_mode(InterpretGPUParams()):
-        yield
-
-
 # Several token tiles, programs walking several tiles, both ways of sharing a program's weight
 # rows, per channel and grouped scales (a group over two K-steps too).
 CASES = [
@@ -148,7 +134,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("bits, group_size, m, config", CASES)
-def test_matches_golden(interpreted, bits, group_size, m, config):
+def test_matches_golden(mosaic_interpreted, bits, group_size, m, config):
     _check_golden(bits, group_size, m, config)
 
 
@@ -172,7 +158,7 @@ def _check_golden(bits, group_size, m, config):
     assert_close(out, golden(reference, *args), low_precision(reference, *args))
 
 
-def test_default_config_float16_and_leading_dims(interpreted):
+def test_default_config_float16_and_leading_dims(mosaic_interpreted):
     rng = np.random.default_rng(3)
     a, qweight, scales = _inputs(rng, 12, 256, 512, 4, None, jnp.float16)
     a = a.reshape(3, 4, 512)
@@ -183,7 +169,7 @@ def test_default_config_float16_and_leading_dims(interpreted):
                  low_precision(reference, a, qweight, scales))
 
 
-def test_every_int4_value_widens_exactly(interpreted):
+def test_every_int4_value_widens_exactly(mosaic_interpreted):
     """Each of the 16 values in both nibbles of a byte, scale 1: one-hot activation rows read
     weight rows back exactly."""
     k, n = 256, 64
