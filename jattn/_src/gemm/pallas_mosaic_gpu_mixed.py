@@ -179,10 +179,11 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
                     return part_ref[...]
 
                 def scaled():
-                    part = pl.run_scoped(product, plgpu.ACC((ROWS, bm), jnp.float32))
+                    # (the scales' load first: its latency passes under the wgmma)
                     n = n0 + (0 if alternate else wg * ROWS)
                     scale = load_vector(scales_ref.at[lax.div(step, group_steps),
                                                       pl.ds(n, ROWS)], ROW)
+                    part = pl.run_scoped(product, plgpu.ACC((ROWS, bm), jnp.float32))
                     return acc + part * lax.broadcast_in_dim(scale, part.shape, [0])
 
                 return lax.cond(mine(step), scaled, lambda: acc) if alternate else scaled()
