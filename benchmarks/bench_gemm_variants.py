@@ -15,8 +15,11 @@ Cases (issue 6, item 5), bf16 inputs and outputs, fp32 accumulation on both side
   where it or its GPU is missing.
 - mixed_matmul: int8 and int4 (per channel, and per group of 128) weights at decode shapes
   M in {1, 16, 64}, N = K = 8192, bf16 activations, against XLA dequantise-then-dot and the
-  bf16 GEMMs (jattn.matmul and jnp.dot) on the unquantised weight; GB/s of weight bytes read
-  (integer values + scales, or the bf16 weight), and the best bf16 time over jattn's.
+  bf16 GEMMs (jattn.matmul and jnp.dot) on the unquantised weight, the Mosaic GPU kernel
+  where it runs ("jattn_mosaic"), and for int4 torch's tinygemm kernel
+  (aten._weight_int4pack_mm, "torch_int4pack") on the same weights where torch sees a GPU;
+  GB/s of weight bytes read (integer values + scales, or the bf16 weight), and the best bf16
+  time over jattn's.
 The ratio printed is the baseline's time over jattn's (> 1: jattn is faster). --smoke runs tiny
 shapes with the default implementation (xla on a CPU) to check the script end to end.
 """
@@ -181,6 +184,39 @@ def bench_scaled(name, m, n, k, mode, fast, *, smoke=False) -> dict:
     return row
 
 
+# torch's weight-only int4 anchor on CUDA: aten._weight_int4pack_mm (tinygemm), groups of 32 to
+# 256 weights; innerKTiles 8 as torchao packs it for large K.
+_TINYGEMM_GROUPS, _INNER_K_TILES = (32, 64, 128, 256), 8
+
+
+def _torch_int4pack(quant_sets, bits: int, group_size: int | None):
+    """(fn, argument sets) of torch's int4 weight-only GEMM on jattn's int4 weights, or None
+    (not int4, no torch GPU, or a group size tinygemm lacks). jattn packs even k in the low
+    nibble, stored + 8; tinygemm takes even k in the high nibble and dequantises
+    (q - 8) · scale + zero: the nibbles are swapped and the zeros are 0. Per-channel scales run
+    as groups of 128 holding the same scale (the same products)."""
+    torch = _torch_on_gpu()
+    k = 2 * quant_sets[0][1].shape[1]
+    group = group_size or 128
+    if torch is None or bits != 4 or group not in _TINYGEMM_GROUPS or k % group:
+        return None
+    sets = []
+    for a, qweight, scales in quant_sets:
+        packed = np.asarray(qweight)
+        swapped = torch.from_numpy(((packed >> 4) | (packed << 4)).astype(np.uint8)).cuda()
+        weight = torch.ops.aten._convert_weight_to_int4pack(swapped, _INNER_K_TILES)
+        per_group = np.asarray(scales, np.float32).reshape(-1, packed.shape[0])
+        per_group = np.repeat(per_group, k // group // per_group.shape[0], axis=0)
+        scale_and_zero = torch.from_numpy(np.stack([per_group, np.zeros_like(per_group)], -1))
+        sets.append([torch.from_numpy(np.asarray(a, np.float32)).cuda().to(torch.bfloat16),
+                     weight, scale_and_zero.cuda().to(torch.bfloat16)])
+
+    def int4pack_mm(x, weight, scale_and_zero):
+        return torch.ops.aten._weight_int4pack_mm(x, weight, group, scale_and_zero)
+
+    return int4pack_mm, sets
+
+
 def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
     """mixed_matmul against XLA dequantise-then-dot and the bf16 GEMMs (jattn and XLA)."""
     rng = np.random.default_rng(0)
@@ -208,13 +244,20 @@ def bench_mixed(name, m, n, k, bits, group_size, *, smoke=False) -> dict:
         seconds["jattn_mosaic"] = time_jax(mosaic, quant_sets)
     except ValueError:
         mosaic = None
-    weight_bytes = {key: quant_bytes if key in ("jattn", "xla_dequant", "jattn_mosaic")
+    torch_int4 = _torch_int4pack(quant_sets, bits, group_size)
+    if torch_int4 is not None:
+        seconds["torch_int4pack"] = time_torch(torch_int4[0], torch_int4[1])
+    weight_bytes = {key: quant_bytes if key in ("jattn", "xla_dequant", "jattn_mosaic",
+                                                "torch_int4pack")
                     else dense_bytes for key in seconds}
     expected = dequantise_then_dot(*quant_sets[0]).astype(jnp.float32)
     err = float(jnp.abs(ours(*quant_sets[0]).astype(jnp.float32) - expected).max())
     if mosaic is not None:
         err = max(err, float(jnp.abs(mosaic(*quant_sets[0]).astype(jnp.float32)
                                      - expected).max()))
+    if torch_int4 is not None:  # (its weights are ours: the same sums, its own rounding)
+        theirs = torch_int4[0](*torch_int4[1][0]).float().cpu().numpy()
+        err = max(err, float(np.abs(theirs - np.asarray(expected)).max()))
     return {"case": name, "baseline": "bf16", "m": m, "n": n, "k": k, **mode,
             "seconds": seconds, "tflops": {key: 2 * m * n * k / t / 1e12
                                            for key, t in seconds.items()},
