@@ -54,7 +54,8 @@ def split(value: Any, signature: Sequence[jax.ShapeDtypeStruct]
     which needs their values: kept whole)."""
     if type(value) is not types.FunctionType or guards.is_library_function(value):
         return None
-    record, arrays = guards.read_state(value)
+    # (NumPy arrays by shape and dtype: they are passed on as traced arrays, like JAX's)
+    record, arrays = guards.read_state(value, numpy_by_value=False)
     if record is None or not arrays:
         return None
     skeleton = Skeleton(record, value, len(arrays))

@@ -55,9 +55,11 @@ class State(NamedTuple):
     arrays: list
 
 
-def read_state(*fns: Any) -> State:
-    """The State of `fns` (None entries allowed)."""
-    walker = _Walker()
+def read_state(*fns: Any, numpy_by_value: bool = True) -> State:
+    """The State of `fns` (None entries allowed). numpy_by_value=False records NumPy arrays by
+    shape and dtype, as JAX arrays (for a caller that passes every array on as a traced
+    argument, so that no value of theirs is read in Python)."""
+    walker = _Walker(numpy_by_value)
     return _state(walker, lambda: tuple(walker.walk(fn) for fn in fns))
 
 
@@ -95,7 +97,8 @@ def _is_library_module(module: str) -> bool:
 
 
 class _Walker:
-    def __init__(self):
+    def __init__(self, numpy_by_value: bool = True):
+        self.numpy_by_value = numpy_by_value
         self.arrays: list = []
         self.positions: dict[int, int] = {}  # id of each array in `arrays` -> its position
         self.count = 0
@@ -120,7 +123,7 @@ class _Walker:
             if seen < len(self.arrays):
                 return ("same array", seen)
             self.arrays.append(value)
-            if isinstance(value, np.ndarray):
+            if self.numpy_by_value and isinstance(value, np.ndarray):
                 return _numpy_record(value)
             return ("array", value.shape, value.dtype, getattr(value, "weak_type", False))
         if isinstance(value, np.generic):

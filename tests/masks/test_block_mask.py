@@ -147,7 +147,7 @@ def _documents_from_global(b, h, q_idx, kv_idx):
     return IDS[b, q_idx] == IDS[b, kv_idx]
 
 
-@pytest.mark.parametrize("source", ["closure", "container", "global"])
+@pytest.mark.parametrize("source", ["closure", "container", "global", "numpy"])
 def test_a_users_mask_mod_passes_through_jit_without_recompiling(source):
     """attention-gym's way: a fresh closure over the batch's document ids (or over a dict
     holding them, or a global rebound per batch), its BlockMask an argument of the jitted
@@ -167,8 +167,11 @@ def test_a_users_mask_mod_passes_through_jit_without_recompiling(source):
 
     for seed in range(3):
         IDS = _document_ids(seed, B, L)
+        numpy_ids = np.asarray(IDS)
         mask_mod = {"closure": documents_of(IDS), "container": in_batch({"ids": IDS}),
-                    "global": _documents_from_global}[source]
+                    "global": _documents_from_global,
+                    "numpy": lambda b, h, q_idx, kv_idx: jnp.asarray(numpy_ids)[b, q_idx]
+                    == jnp.asarray(numpy_ids)[b, kv_idx]}[source]
         mask = jattn.create_block_mask(mask_mod, B, None, L, L, block_size=32)
         dense = jattn.create_mask(mask_mod, B, None, L, L)
         scores = jnp.where(dense, jnp.einsum("bhqd,bhkd->bhqk", x, x) / E ** 0.5, -jnp.inf)
