@@ -68,8 +68,33 @@ def _div(a, b, rounding_mode=None):
     if rounding_mode == "trunc":
         if jnp.issubdtype(jnp.result_type(a, b), jnp.integer):
             return _truncating_div(a, b)
-        return jnp.trunc(jnp.true_divide(a, b))
-    return jnp.true_divide(a, b)
+        return jnp.trunc(_true_divide(a, b))
+    return _true_divide(a, b)
+
+
+def _true_divide(a, b):
+    """a / b correctly rounded, as torch's eager division is. XLA turns a division by a
+    scalar into a multiplication by its reciprocal (and GPU division is approximate), one ulp
+    off at exact quotients (21 / 7.0 = 3.0000002), which `ceil` turns into an integer off by
+    one. One correction step, with the product q·b kept exact by Dekker's split (no fma),
+    rounds it right."""
+    q = jnp.true_divide(a, b)
+    if q.dtype != jnp.float32:
+        return q
+    a, b = (jnp.asarray(x).astype(jnp.float32) for x in (a, b))
+    p = q * b
+    (qh, ql), (bh, bl) = _split(q), _split(b)
+    error = ((qh * bh - p) + qh * bl + ql * bh) + ql * bl  # q·b = p + error exactly
+    corrected = q + ((a - p) - error) / b
+    return jnp.where(jnp.isfinite(corrected), corrected, q)
+
+
+def _split(x):
+    """(high, low) halves of float32 x with 12 significant bits in high: their products are
+    exact in float32 (Veltkamp)."""
+    c = x * np.float32(4097.0)
+    high = c - (c - x)
+    return high, x - high
 
 
 def _truncating_div(a, b):

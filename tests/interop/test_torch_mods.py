@@ -316,6 +316,9 @@ MASK_MODS = {
         (q % 8 - kv % 8).abs() <= 3),
     "not": lambda b, h, q, kv: ~(kv > q),
     "reduction of one element": lambda b, h, q, kv: (q >= kv).any() & (q - kv <= 40).all(),
+    # float quotients that are exact integers: a division one ulp off moves floor / ceil
+    "exact quotients": lambda b, h, q, kv: (q >= kv) & (torch.ceil((q - kv) / 7.0) <= 3)
+    | (torch.floor(q / 15.0) == torch.floor(kv / 15.0)),
 }
 
 
