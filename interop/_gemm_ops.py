@@ -168,8 +168,8 @@ def register(spec: GemmOp):
                                       precision=precision), device, *arrays)
         return [to_torch(g, device) for g in grads if g is not None]
 
-    def backward_fake(grad, *args):
-        return [torch.empty_like(t) for name, t in zip(names, args[:n])
+    def backward_fake(grad, *args):  # (contiguous, as run_backward's come back from JAX)
+        return [t.new_empty(t.shape) for name, t in zip(names, args[:n])
                 if name in grad_set and t is not None]
 
     def setup_context(ctx, inputs, output):

@@ -417,7 +417,8 @@ def _flex_max_fake(q, k, v, mask_tensors, captures, *static):
 
 @flex_attention_backward.register_fake
 def _flex_backward_fake(d_out, d_lse, q, k, v, out, lse, mask_tensors, captures, *static):
-    return [torch.empty_like(x) for x in (q, k, v, *captures) if x.is_floating_point()]
+    # (contiguous, as the real op returns them: gradients come back from JAX row-major)
+    return [x.new_empty(x.shape) for x in (q, k, v, *captures) if x.is_floating_point()]
 
 
 def _flex_setup_context(ctx, inputs, output):

@@ -444,3 +444,18 @@ def test_a_sliced_block_masks_mask_mod_raises_as_in_torch():
     q, k, v = _qkv()
     with pytest.raises(RuntimeError, match="sliced BlockMask"):
         jt.flex_attention(q, k, v, block_mask=mask[:, :, 1:], enable_gqa=True)
+
+
+def test_compiled_backward_takes_permuted_views():
+    """q, k, v as `proj(x).view(B, L, H, E).transpose(1, 2)` (and k, v halves of one fused
+    projection): the compiled gradients are the eager ones."""
+    x = torch.randn(B, L, 3 * HQ * E, generator=GEN, requires_grad=True)
+
+    def attention(x):
+        q, kv = x.view(B, L, 3 * HQ, E).split([HQ, 2 * HQ], dim=2)
+        k, v = kv.transpose(1, 2).chunk(2, dim=1)
+        return jt.flex_attention(q.transpose(1, 2), k, v).square().sum()
+
+    (eager,) = torch.autograd.grad(attention(x), x)
+    (compiled,) = torch.autograd.grad(torch.compile(attention, fullgraph=True)(x), x)
+    _close(compiled, eager)

@@ -223,3 +223,17 @@ def test_cuda_ops_choose_as_jattn_does_on_hopper(as_if_on_hopper, monkeypatch, o
     large = [torch.empty(shape, device="meta", dtype=dtype) for shape in ((16384, 8192),
                                                                            (8192, 16384))]
     assert bridge.resolve(op, None, on_cuda=True, **facts(*large)) == "pallas_mosaic_gpu"
+
+
+def test_compiled_backward_takes_transposed_operands():
+    """nn.Linear's layout (x @ weight.T): the compiled gradients are the eager ones."""
+    x = torch.randn(8, 32, requires_grad=True)
+    weight = torch.randn(16, 32, requires_grad=True)
+
+    def loss(x, weight):
+        return jt.matmul(x, weight.t()).square().sum()
+
+    eager = torch.autograd.grad(loss(x, weight), (x, weight))
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(x, weight), (x, weight))
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
