@@ -459,3 +459,16 @@ def test_compiled_backward_takes_permuted_views():
     (eager,) = torch.autograd.grad(attention(x), x)
     (compiled,) = torch.autograd.grad(torch.compile(attention, fullgraph=True)(x), x)
     _close(compiled, eager)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_empty_batch_has_zero_gradients(compiled):
+    q, k, v = (torch.zeros(0, HQ, L, E, requires_grad=True) for _ in range(3))
+    bias = torch.randn(HQ, requires_grad=True)
+    call = torch.compile(jt.flex_attention, fullgraph=True) if compiled else jt.flex_attention
+    mask = jt.create_block_mask(_causal, None, None, L, L, "cpu", 32)
+    out = call(q, k, v, lambda s, b, h, qi, ki: s + bias[h], mask)
+    assert out.shape == (0, HQ, L, E)
+    grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
+    assert [g.shape for g in grads] == [x.shape for x in (q, k, v, bias)]
+    assert not any(g.any() for g in grads)

@@ -432,11 +432,16 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, score_mod=None, blo
     deterministic: as flex_attention's.
     """
     block_mask = _check_call(q, k, v, score_mod, block_mask, enable_gqa)
+    if differentiated is not None:
+        differentiated = tuple(map(bool, differentiated))
+    if _empty_result(q, k, v) is not None:  # nothing attended: every gradient is zero
+        wanted = differentiated or (True,) * len(score_captures)
+        return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
+                [jnp.zeros_like(c) if w and jnp.issubdtype(jnp.result_type(c), jnp.floating)
+                 else None for c, w in zip(score_captures, wanted)])
     program, lists, score_caps, mask_caps = _prepare(
         q, k, v, score_mod, block_mask, scale, enable_gqa, config, implementation, precision,
         (score_captures, mask_captures), dropout=dropout, deterministic=deterministic)
-    if differentiated is not None:
-        differentiated = tuple(map(bool, differentiated))
     dq, dk, dv, d_score_caps = program.backward(q, k, v, lists, score_caps,
                                                 with_seed(mask_caps, dropout.seed), out, lse,
                                                 d_out, d_lse, differentiated)
