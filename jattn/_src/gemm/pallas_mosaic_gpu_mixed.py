@@ -120,15 +120,16 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
             """Whether this consumer multiplies K-step `step`."""
             return lax.rem(step, CONSUMERS) == wg
 
-        def step_into(indices, x_smem, w_smem, acc_ref):
-            def multiply():
-                plgpu.wgmma(acc_ref, widened(w_smem), x_smem.T)
-                plgpu.wgmma_wait(0)
+        def multiply(acc_ref, x_smem, w_smem):
+            """acc_ref += this consumer's weight rows · the K-step's activationsᵀ."""
+            plgpu.wgmma(acc_ref, widened(w_smem), x_smem.T)
+            plgpu.wgmma_wait(0)
 
+        def step_into(indices, x_smem, w_smem, acc_ref):
             if alternate:
-                pl.when(mine(indices[0]))(multiply)
+                pl.when(mine(indices[0]))(lambda: multiply(acc_ref, x_smem, w_smem))
             else:
-                multiply()
+                multiply(acc_ref, x_smem, w_smem)
             return acc_ref
 
         def store(acc, m0, n):
@@ -143,11 +144,11 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg], out_ref.at[pl.ds(m0, bm), pl.ds(n, ROWS)])
 
-        def finish(acc, m0, n0):
-            """Stores the tile; with alternate steps the second consumer's sum is added into
-            the first's through shared memory, and the first stores."""
+        def finish(acc, m0, n):
+            """Stores a consumer's rows from n; with alternate steps the second consumer's sum
+            is added into the first's through shared memory, and the first stores."""
             if not alternate:
-                store(acc, m0, n0 + wg * ROWS)
+                store(acc, m0, n)
                 return
 
             @pl.when(wg == 1)
@@ -161,7 +162,7 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
                 plgpu.barrier_wait(sum_ready)
                 other = load(sum_smem, plgpu.Layout.WGMMA)
                 plgpu.barrier_arrive(sum_taken)
-                store(acc + other, m0, n0)
+                store(acc + other, m0, n)
 
         @plgpu.nd_loop((tiles[0] * tiles[1],), collective_axes="programs")
         def _tile(loop):
@@ -169,18 +170,17 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
             # The token tiles of the same weight rows one after another: they share them in L2.
             tile_n, tile_m = lax.div(index, tiles[0]), lax.rem(index, tiles[0])
             m0, n0 = tile_m * bm, tile_n * bn
+            n = n0 + (0 if alternate else wg * ROWS)  # this consumer's first weight row
 
             def step_scaled(indices, x_smem, w_smem, acc):
                 (step,) = indices
 
                 def product(part_ref):
-                    plgpu.wgmma(part_ref, widened(w_smem), x_smem.T)
-                    plgpu.wgmma_wait(0)
+                    multiply(part_ref, x_smem, w_smem)
                     return part_ref[...]
 
                 def scaled():
                     # (the scales' load first: its latency passes under the wgmma)
-                    n = n0 + (0 if alternate else wg * ROWS)
                     scale = load_vector(scales_ref.at[lax.div(step, group_steps),
                                                       pl.ds(n, ROWS)], ROW)
                     part = pl.run_scoped(product, plgpu.ACC((ROWS, bm), jnp.float32))
@@ -192,12 +192,12 @@ def _kernel(x_ref, w_ref, scales_ref, out_ref, *, config: MosaicMixedConfig, bit
                 if grouped:
                     zeros = plgpu.layout_cast(jnp.zeros((ROWS, bm), jnp.float32),
                                               plgpu.Layout.WGMMA)
-                    finish(run(zeros), m0, n0)
+                    finish(run(zeros), m0, n)
                     return
 
                 def accumulate(acc_ref):
                     run(acc_ref)
-                    finish(acc_ref[...], m0, n0)
+                    finish(acc_ref[...], m0, n)
 
                 pl.run_scoped(accumulate, plgpu.ACC((ROWS, bm), jnp.float32))
 
