@@ -226,10 +226,14 @@ class MatmulBackendTests:
         per_matrix = jax.vmap(jax.vmap(fn, in_axes=(0, None)), in_axes=(0, None))
         np.testing.assert_array_equal(jax.jit(per_matrix)(a, b), out)
 
-    def test_bmm_broadcasts_batch_dims(self):
+    @pytest.mark.parametrize("a_shape, b_shape", [
+        ((4, 1, 20, 40), (3, 40, 24)),
+        ((4, 3, 20, 40), (40, 24)),  # one b for every matrix: one product of a's rows
+    ])
+    def test_bmm_broadcasts_batch_dims(self, a_shape, b_shape):
         impl = self.implementation
         rng = np.random.default_rng(6)
-        a, b = random(rng, (4, 1, 20, 40)), random(rng, (3, 40, 24))
+        a, b = random(rng, a_shape), random(rng, b_shape)
         cotangent = random(rng, (4, 3, 20, 24))
         fn = functools.partial(jattn.bmm, config=SMALL, implementation=impl)
         out = jax.jit(fn)(a, b)

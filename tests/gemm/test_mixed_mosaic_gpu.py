@@ -49,12 +49,15 @@ def test_registry_names_what_it_cannot_run(as_if_on_hopper, change, reason):
         backends.resolve(OP, MOSAIC, platform="gpu", **_facts(**change))
 
 
-def test_the_default_keeps_pallas_triton_until_it_is_timed(as_if_on_hopper, monkeypatch):
-    assert backends.resolve(OP, platform="gpu", **_facts()).name == "pallas_triton"
-    a, qweight, scales = (jnp.zeros((16, 512), jnp.bfloat16), jnp.zeros((256, 256), jnp.uint8),
-                          jnp.ones((256,), jnp.bfloat16))
-    said = jattn.explain(functools.partial(jattn.mixed_matmul, bits=4), a, qweight, scales)
-    assert "pallas_triton" in said and "not yet measured" in said
+def test_the_default_takes_this_kernel_from_64_tokens_as_measured(as_if_on_hopper):
+    assert backends.resolve(OP, platform="gpu", **_facts(m=16)).name == "pallas_triton"
+    assert backends.resolve(OP, platform="gpu", **_facts(m=64)).name == MOSAIC
+    qweight, scales = jnp.zeros((256, 256), jnp.uint8), jnp.ones((256,), jnp.bfloat16)
+    mixed = functools.partial(jattn.mixed_matmul, bits=4)
+    said = jattn.explain(mixed, jnp.zeros((16, 512), jnp.bfloat16), qweight, scales)
+    assert "pallas_triton" in said and "M = 16 < 64 tokens" in said
+    said = jattn.explain(mixed, jnp.zeros((64, 512), jnp.bfloat16), qweight, scales)
+    assert said.splitlines()[0] == f"mixed_matmul: {MOSAIC} (platform default (gpu))"
     with pytest.raises(ValueError, match="pass a MatmulConfig"):
         backends.resolve(OP, "pallas_triton", platform="gpu",
                          **_facts(config=MosaicMixedConfig()))

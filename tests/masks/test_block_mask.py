@@ -7,6 +7,7 @@ import pytest
 
 import jattn
 from jattn._src.masks.create import builder
+from tests.helpers import assert_close
 
 
 def _dense_blocks(mask, block):
@@ -174,8 +175,10 @@ def test_a_users_mask_mod_passes_through_jit_without_recompiling(source):
                     == jnp.asarray(numpy_ids)[b, kv_idx]}[source]
         mask = jattn.create_block_mask(mask_mod, B, None, L, L, block_size=32)
         dense = jattn.create_mask(mask_mod, B, None, L, L)
-        scores = jnp.where(dense, jnp.einsum("bhqd,bhkd->bhqk", x, x) / E ** 0.5, -jnp.inf)
-        expected = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1), x)
+        scores = jnp.where(dense, jnp.einsum("bhqd,bhkd->bhqk", x, x, precision="highest")
+                           / E ** 0.5, -jnp.inf)
+        expected = jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, -1), x,
+                              precision="highest")
         np.testing.assert_allclose(step(x, mask), expected, rtol=2e-5, atol=2e-5)
     assert step._cache_size() == 1
 
@@ -218,3 +221,58 @@ def test_a_block_mask_keeps_its_tree_structure_under_tree_map(source):
     x = jax.random.normal(jax.random.key(0), (1, 2, 64, 16))
     np.testing.assert_allclose(jattn.flex_attention(x, x, x, block_mask=again),
                                jattn.flex_attention(x, x, x, block_mask=mask), rtol=1e-6)
+
+
+@pytest.mark.parametrize("index, kv_shape", [
+    (0, (1, 2, 4)), ((0, 1), (1, 1, 4)), ((slice(0, 2), slice(1, 2)), (2, 1, 4)),
+    ((slice(0, 2), slice(1, 2), np.array([1, 3])), (2, 1, 2)), (-1, (1, 2, 4)),
+    ((slice(None), slice(None), 2), (4, 2, 1))])
+def test_slicing_a_block_mask_keeps_the_selected_rows_as_torch_does(index, kv_shape):
+    ids = jnp.arange(4)[:, None] * 100 + jnp.arange(512)  # batch-dependent partial blocks
+    mask = jattn.create_block_mask(lambda b, h, q, kv: (q >= kv) & (ids[b, kv] % 7 != h), 4,
+                                   2, 512, 512)
+    sliced = mask[index]
+    assert sliced.kv_num_blocks.shape == kv_shape and sliced.kv_indices.shape == (*kv_shape, 4)
+    assert sliced.shape == (*kv_shape[:2], 512, 512)  # seq_lengths kept, as torch keeps them
+    torch_index = tuple(slice(i % n, i % n + 1) if isinstance(i, int) else i
+                        for i, n in zip(index if isinstance(index, tuple) else (index,),
+                                        (4, 2, 4)))
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+        np.testing.assert_array_equal(getattr(sliced, name),
+                                      np.asarray(getattr(mask, name))[torch_index])
+    # The q-major lists describe the same blocks as the kv-major ones.
+    np.testing.assert_array_equal(
+        np.swapaxes(jattn.BlockMask.from_kv_blocks(
+            sliced.q_num_blocks, sliced.q_indices, sliced.full_q_num_blocks,
+            sliced.full_q_indices).to_dense(), -1, -2), sliced.to_dense())
+
+
+def test_a_sliced_block_mask_decodes_one_query_once_given_its_mask_mod_and_lengths():
+    import dataclasses
+    mask = jattn.create_block_mask(jattn.masks.causal_mask, 2, 1, 512, 512)
+    keys = jax.random.normal(jax.random.key(0), (2, 2, 512, 64))
+    values = jax.random.normal(jax.random.key(1), (2, 2, 512, 64))
+    q = jax.random.normal(jax.random.key(2), (2, 2, 512, 64))
+    position = 300
+    row = mask[:, :, position // 128]
+    with pytest.raises(ValueError, match="A slice .* keeps the original's seq_lengths"):
+        jattn.flex_attention(q, keys, values, block_mask=row)
+    with pytest.raises(RuntimeError, match="mask_mod of a sliced BlockMask"):
+        jattn.flex_attention(q[:, :, :1], keys, values,
+                             block_mask=dataclasses.replace(row, seq_lengths=(1, 512)))
+    decode = dataclasses.replace(
+        row, seq_lengths=(1, 512),
+        mask_mod=lambda b, h, q_idx, kv_idx: mask.mask_mod(b, h, q_idx + position, kv_idx))
+    out = jax.jit(jattn.flex_attention)(q[:, :, position:position + 1], keys, values,
+                                        block_mask=decode)
+    whole = jattn.flex_attention(q, keys, values, block_mask=mask)
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q[:, :, position], keys, values))
+    scores = np.einsum("bhd,bhkd->bhk", q64, k64) / 8.0
+    scores[..., position + 1:] = -np.inf
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    gold = np.einsum("bhk,bhkd->bhd", weights / weights.sum(-1, keepdims=True), v64)
+    assert_close(out[:, :, 0], gold, whole[:, :, position])
+    with pytest.raises(IndexError, match="out of range for dim 0 of size 2"):
+        mask[2]
+    with pytest.raises(IndexError, match="at most 3 indices"):
+        mask[0, 0, 0, 0]

@@ -22,7 +22,8 @@ from jattn._src.attention.common import (Problem, canonical_scale, checked_mask_
 from jattn._src.attention.config import AttentionConfig, heuristic_config
 from jattn._src.attention.dropout import NO_DROPOUT, Dropout, checked_dropout, with_seed
 from jattn._src.attention.sinks import checked_sinks, with_sinks
-from jattn._src.masks.block_mask import DEFAULT_BLOCK, BlockMask, MaskLists
+from jattn._src.masks.block_mask import (DEFAULT_BLOCK, BlockMask, MaskLists,
+                                         check_block_counts)
 from jattn._src.masks.fitting import fitted
 from jattn._src.mesh_axes import summed_to_vary_like
 from jattn._src.programs import ProgramCache
@@ -81,6 +82,7 @@ def _check_block_mask(block_mask: BlockMask, B: int, Hq: int, L: int, S: int) ->
     if not isinstance(block_mask, BlockMask):
         raise TypeError("flex_attention: `block_mask` must be a jattn.BlockMask (see "
                         f"jattn.create_block_mask), got {type(block_mask).__name__}.")
+    check_block_counts(block_mask, "flex_attention")
     Bm, Hm, Lm, Sm = block_mask.shape
     if (Lm, Sm) != (L, S):
         raise ValueError(f"flex_attention: block_mask was built for Q_LEN={Lm}, KV_LEN={Sm} but "
@@ -468,8 +470,9 @@ def _empty_result(q, k, v):
     (B, Hq, L, _), S = q.shape, k.shape[2]
     if B and L and S:
         return None
-    return (jnp.zeros((B, Hq, L, v.shape[-1]), q.dtype),
-            jnp.full((B, Hq, L), -jnp.inf, _compute_dtype(q.dtype)))
+    # (*_like: on q's device, as a computed result would be, not the default device)
+    return (jnp.zeros_like(q, shape=(B, Hq, L, v.shape[-1])),
+            jnp.full_like(q, -jnp.inf, _compute_dtype(q.dtype), shape=(B, Hq, L)))
 
 
 def _compute_dtype(dtype) -> Any:

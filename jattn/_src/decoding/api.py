@@ -15,7 +15,7 @@ from jattn._src.attention.split_kv_config import DecodeConfig
 from jattn._src.decoding import pallas_triton, xla
 from jattn._src.decoding.call import CacheDims, DecodeCall, bad_lengths
 from jattn._src.decoding.paged import PagedKVCache, concrete
-from jattn._src.masks.block_mask import BlockMask
+from jattn._src.masks.block_mask import BlockMask, check_block_counts
 from jattn._src.masks.fitting import fitted
 from jattn._src.precision import canonical as canonical_precision
 
@@ -132,6 +132,7 @@ def _check_block_mask(block_mask, B: int, Hq: int, S: int) -> None:
     if not isinstance(block_mask, BlockMask):
         raise TypeError("flex_decode: `block_mask` must be a jattn.BlockMask, got "
                         f"{type(block_mask).__name__}.")
+    check_block_counts(block_mask, "flex_decode")
     Bm, Hm, Q_LEN, KV_LEN = block_mask.shape
     if KV_LEN != S or Q_LEN < S:
         raise ValueError(f"flex_decode: block_mask covers (Q_LEN={Q_LEN}, KV_LEN={KV_LEN}); a "
@@ -217,8 +218,8 @@ def flex_decode(q: jax.Array, k, v, score_mod: Callable | None = None,
     _check_reads(score_mod, block_mask, state, q.shape, dims.S, host_lengths)
 
     if 0 in (B, Lq, dims.S):  # nothing to compute: empty, or no key to attend to
-        out = jnp.zeros((B, Hq, Lq, dims.Ev), q.dtype)
-        lse = jnp.full((B, Hq, Lq), -jnp.inf, jnp.float32)
+        out = jnp.zeros_like(q, shape=(B, Hq, Lq, dims.Ev))  # (on q's device)
+        lse = jnp.full_like(q, -jnp.inf, jnp.float32, shape=(B, Hq, Lq))
     else:
         out, lse = implementation.module.decode(DecodeCall(
             q, k, v, cache, score_mod, block_mask, dims, kv_len, static_length, checked, scale,

@@ -468,10 +468,13 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     """Batched `matmul`: a [..., M, K] @ b [..., K, N] -> [..., M, N].
 
     Leading (batch) dims broadcast as in numpy; an operand with batch size 1 is shared, not
-    copied; on Mosaic GPU the whole batch is one launch. bias [N], epilogue (indices are within
-    each matrix), out_dtype, config, implementation and precision are as in `matmul`. a and b:
-    bfloat16, float16 or float32, one dtype. Returns [broadcast batch..., M, N] of out_dtype
-    (default a's dtype); differentiable as `matmul`.
+    copied; on Mosaic GPU the whole batch is one launch, and one b shared by every matrix
+    (without an epilogue) makes one product of all of a's rows. bias [N], epilogue (indices
+    are within each matrix), out_dtype, config, implementation and precision are as in
+    `matmul`. a and b: bfloat16, float16 or float32, one dtype. Returns [broadcast batch...,
+    M, N] of out_dtype (default a's dtype); differentiable as `matmul`. The gradient of an
+    operand shared along a batch dim where the other is not (a [2, 1, M, K] @ b [3, K, N])
+    sums per-matrix gradients, each in the operand's dtype, as torch's.
 
     Example::
 
@@ -486,6 +489,15 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     except ValueError:
         raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
     (m, k), n = a.shape[-2:], b.shape[-1]
+    if epilogue is None and math.prod(b.shape[:-2]) == 1:
+        # One b for every matrix: one product of all of a's rows (b's gradient accumulated
+        # over them in float32, not summed from per-matrix gradients rounded to its dtype).
+        rows = math.prod(batch) * m
+        options, captures = make_options("bmm", rows, n, k, a.dtype, bias, None, out_dtype,
+                                         config, implementation, precision=precision)
+        out = jitted(_matmul_flattened, options)(a, b if b.ndim == 2 else b.reshape(k, n),
+                                                 bias, captures)
+        return out if out.shape == (*batch, m, n) else out.reshape(*batch, m, n)
     options, captures = make_options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype,
                                      config, implementation, precision=precision,
                                      batch=math.prod(batch))

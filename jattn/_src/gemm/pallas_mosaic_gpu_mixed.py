@@ -65,12 +65,20 @@ def unsupported(*, dtype=None, n=None, k=None, bits=None, group_size=None, confi
     return None
 
 
-# Weight-only products are measured on pallas_triton's kernel only (1.6 TB/s of int4 weights
-# and 2.5 TB/s of int8 at M = 16, N = K = 8192 on the H100); this kernel has not been timed.
-def slower(**facts) -> str | None:
-    """Why the default choice passes this kernel over (it has not been measured yet)."""
-    return ("not yet measured against pallas_triton's weight-only kernel on a GPU; name "
-            "implementation='pallas_mosaic_gpu' to run it.")
+# Weights read a second, N = K = 8192, H100 (bench_gemm_variants, same run; HISTORY.md,
+# session 39): at M = 64 this kernel reads int4 at 1.32 TB/s against pallas_triton's 0.84,
+# int8 at 2.14 against 1.51, int4 in groups of 128 at 1.13 against 0.78; at M = 16 and below
+# pallas_triton's is as fast or faster (M = 16: int4 1.54 against 1.61, int8 2.25 against
+# 2.50; M = 1: 1.41 against 1.73). M between 16 and 64 is not measured.
+_MIN_ROWS = 64
+
+
+def slower(*, m=None, **facts) -> str | None:
+    """Why the default choice passes this kernel over for a call it supports (measured)."""
+    if m is not None and m < _MIN_ROWS:
+        return (f"at M = {m} < {_MIN_ROWS} tokens pallas_triton's weight-only kernel reads the "
+                "weights as fast or faster (measured at M = 1 and 16 on the H100).")
+    return None
 
 
 def _weight_transforms(bits: int, block_k: int):

@@ -215,6 +215,37 @@ class BlockMask:
         return cls.from_dense_blocks(partial, full, block_size=block_size,
                                      seq_lengths=seq_lengths, mask_mod=mask_mod)
 
+    def __getitem__(self, index) -> BlockMask:
+        """The rows of some batches, heads and query blocks, as torch's `BlockMask[index]`.
+
+        index: up to three of int, slice or integer array, for the batch, head and
+        query-block dims of `kv_num_blocks`; an int keeps its dim (length 1). The kv lists are
+        the selected rows as listed; seq_lengths stay the original's, and mask_mod becomes one
+        that raises, as in torch: give the slice a mask_mod (and the lengths it is used at)
+        with `dataclasses.replace(mask[:, :, i], mask_mod=..., seq_lengths=(1, KV_LEN))`.
+        """
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"BlockMask[...]: at most 3 indices (batch, head, query block), "
+                             f"got {len(index)}.")
+        sizes = self.kv_num_blocks.shape
+        index = tuple(_kept_dim(i, n, dim) for dim, (i, n) in enumerate(
+            zip((*index, slice(None), slice(None))[:3], sizes)))
+        kv_num, kv_idx = self.kv_num_blocks[index], self.kv_indices[index]
+        n_kv = kv_idx.shape[-1]
+        tables = [dense_from_lists(kv_num, kv_idx, n_kv)]
+        full_kv_num = full_kv_idx = full_q_num = full_q_idx = None
+        if self.full_kv_num_blocks is not None:
+            full_kv_num, full_kv_idx = (self.full_kv_num_blocks[index],
+                                        self.full_kv_indices[index])
+            tables.append(dense_from_lists(full_kv_num, full_kv_idx, n_kv))
+        q_num, q_idx = lists_from_dense(_transpose(tables[0]))
+        if len(tables) == 2:
+            full_q_num, full_q_idx = lists_from_dense(_transpose(tables[1]))
+        return BlockMask(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
+                         full_q_idx, block_size=self.block_size, seq_lengths=self.seq_lengths,
+                         mask_mod=sliced_mask_mod)
+
     # ---- inspection -----------------------------------------------------------------------------
 
     @property
@@ -327,6 +358,46 @@ def _unflatten(aux, children) -> BlockMask:
 
 
 jax.tree_util.register_pytree_node(BlockMask, _flatten, _unflatten)
+
+
+def check_block_counts(mask: BlockMask, op: str) -> None:
+    """Raises where the mask's block lists do not cover its seq_lengths (a slice of a mask,
+    mask[:, :, i], keeps the original's lengths until it is given its own)."""
+    need = (cdiv(mask.seq_lengths[0], mask.block_size[0]),
+            cdiv(mask.seq_lengths[1], mask.block_size[1]))
+    if mask.num_blocks != need:
+        raise ValueError(
+            f"{op}: block_mask lists {mask.num_blocks[0]} x {mask.num_blocks[1]} blocks, but its "
+            f"seq_lengths {mask.seq_lengths} with block_size {mask.block_size} need {need[0]} x "
+            f"{need[1]}. A slice (mask[:, :, i]) keeps the original's seq_lengths: give it the "
+            "lengths it is used at (JAX: dataclasses.replace(mask[:, :, i], seq_lengths=(1, "
+            "KV_LEN), mask_mod=...); torch: sliced.seq_lengths = (1, KV_LEN)).")
+
+
+def sliced_mask_mod(b, h, q_idx, kv_idx):
+    """The mask_mod of a sliced BlockMask: the slice no longer knows its positions."""
+    raise RuntimeError(
+        "Cannot use the mask_mod of a sliced BlockMask: slicing (mask[...]) resets it, as in "
+        "torch. Give the slice the original's mask_mod, shifted to the slice's positions, "
+        "e.g. dataclasses.replace(mask[:, :, i], mask_mod=lambda b, h, q, kv: "
+        "mask.mask_mod(b, h, q + offset, kv), seq_lengths=(1, KV_LEN)).")
+
+
+def _kept_dim(index, size: int, dim: int):
+    """An index of BlockMask[...] that keeps its dim: an int i becomes the slice i:i+1."""
+    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
+        if not -size <= index < size:
+            raise IndexError(f"BlockMask[...]: index {index} is out of range for dim {dim} of "
+                             f"size {size}.")
+        index = int(index) % size
+        return slice(index, index + 1)
+    if isinstance(index, slice) or (hasattr(index, "dtype") and
+                                    jnp.issubdtype(index.dtype, jnp.integer)):
+        return index
+    if isinstance(index, (list, tuple)):
+        return np.asarray(index, np.int32)
+    raise TypeError(f"BlockMask[...]: indices are ints, slices or integer arrays, got "
+                    f"{type(index).__name__} for dim {dim}.")
 
 
 def _pair(name: str, value, *, minimum: int = 16) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from jattn._src.masks.block_mask import BlockMask
+from jattn._src.masks.block_mask import BlockMask, check_block_counts
 
 
 def checked_token_arrays(fn: str, token_arrays: Sequence[jax.Array], length: int,
@@ -48,6 +48,7 @@ def check_whole_mask(fn: str, block_mask: BlockMask | None, q, num_devices: int,
     if block_mask is None:
         return
     (B, Hq, Lc, _), L = q.shape, num_devices * q.shape[2]
+    check_block_counts(block_mask, fn)
     Bm, Hm, Lm, Sm = block_mask.shape
     if (Lm, Sm) != (L, L) or Bm not in (1, B) or Hm not in (1, Hq):
         raise ValueError(f"{fn}: block_mask must be built for the whole sequence, (B|1, "
