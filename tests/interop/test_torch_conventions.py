@@ -474,3 +474,22 @@ def test_an_empty_batch_has_zero_gradients(compiled):
     grads = torch.autograd.grad(out.sum(), (q, k, v, bias))
     assert [g.shape for g in grads] == [x.shape for x in (q, k, v, bias)]
     assert not any(g.any() for g in grads)
+
+
+@pytest.mark.parametrize("shape, block, kwargs", [
+    ((2, 2, 512, 512), 64, {}),                                  # two pairs of (batch, head)
+    ((1, 3, 1000, 700), 32, {"grid_size": -1}),                  # a block a cell, ragged ends
+    ((3, 2, 4096, 4096), 128, {"grid_size": (5, 7), "limit": 2}),  # cells of several blocks
+])
+def test_jax_block_masks_draw_and_count_as_torchs(shape, block, kwargs):
+    import jattn
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx // 96 == kv_idx // 96) | (h == 1)
+
+    ours = jattn.create_block_mask(mask_mod, *shape, block_size=block)
+    theirs = flex.create_block_mask(mask_mod, *shape, device="cpu", BLOCK_SIZE=block)
+    assert ours.to_string(**kwargs) == theirs.to_string(**kwargs)
+    assert ours.numel() == theirs.numel()
+    assert [tuple(x.shape) for x in (ours[0, 1].kv_num_blocks, ours[:, 0, 1].kv_indices)] == \
+        [tuple(x.shape) for x in (theirs[0, 1].kv_num_blocks, theirs[:, 0, 1].kv_indices)]

@@ -17,6 +17,7 @@ transposed (per key/value block) lists that the dK/dV backward walks. B and H of
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -288,6 +289,40 @@ class BlockMask:
     def sparsity(self) -> float:
         """Percentage of blocks never visited."""
         return 100.0 * (1.0 - float(jnp.mean(self.to_dense())))
+
+    def numel(self) -> int:
+        """Elements of the mask, not counting sparsity: Bm · Hm · Q_LEN · KV_LEN (torch's)."""
+        return math.prod(self.shape)
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """The visited blocks of each (batch, head) drawn as torch's `BlockMask.to_string`
+        draws them: a grid of at most grid_size cells (-1: one a block), each two characters,
+        █ where every block under it is visited, blank where none is, ░ where some are; the
+        first `limit` (batch, head) pairs."""
+        dense = np.asarray(self.to_dense())
+        *lead, rows, cols = dense.shape
+        if grid_size == -1:
+            max_rows, max_cols = rows, cols
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        row_step, col_step = max(1, cdiv(rows, max_rows)), max(1, cdiv(cols, max_cols))
+        pictures = []
+        for number, at in enumerate(np.ndindex(*lead)):
+            if number == limit:
+                pictures += ["...", "To print out more, set BlockMask.to_string(limit=N)",
+                             "You can also index (BlockMask[batch, head]) to choose a specific "
+                             "batch or head"]
+                break
+            lines = [f"{at}"]
+            for r in range(0, rows, row_step):
+                cells = (dense[at][r:r + row_step, c:c + col_step].mean()
+                         for c in range(0, cols, col_step))
+                lines.append("".join(2 * ("█" if x == 1 else " " if x == 0 else "░")
+                                     for x in cells))
+            pictures.append("\n".join(lines) + "\n")
+        return "\n".join(pictures)
 
     def __repr__(self) -> str:
         head = (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
