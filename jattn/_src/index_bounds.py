@@ -530,7 +530,8 @@ def check_reads(fn: str, role: str, mod: Callable, sizes: dict[str, Any]) -> Non
     (b, h, q_idx, kv_idx), or the (first, last) values it takes, or None where that is not
     known (the argument's reads are then never reported)."""
     ranges = {name: (0, value - 1) if isinstance(value, int) else
-              (-_INF, _INF) if value is None else tuple(value)
+              tuple(value) if isinstance(value, tuple) else
+              (-_INF, _INF)  # None, or a symbolic size (jax.export): not known
               for name, value in sizes.items()}
     index = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.int32)
     signature = [index] * 4

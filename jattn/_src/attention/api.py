@@ -55,6 +55,10 @@ def _check_inputs(q, k, v, enable_gqa: bool) -> None:
         raise TypeError(f"flex_attention: q, k and v must share a dtype, got {q.dtype}, "
                         f"{k.dtype} and {v.dtype}.")
     (B, Hq, _, E), (Bk, Hkv, S, Ek), v_shape = shapes
+    if not all(type(d) is int for shape in shapes for d in shape[1:]):
+        raise ValueError(f"flex_attention: only the batch dim may be symbolic (jax.export), got "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}: heads, lengths and head dims "
+                         "fix the kernels' blocks; export with them concrete.")
     if 0 in (E, v_shape[-1]):
         raise ValueError(f"flex_attention: head dims must be at least 1, got q {q.shape} and "
                          f"v {v.shape}.")

@@ -77,6 +77,8 @@ def _lengths(kv_len, B: int, S: int, cache: PagedKVCache | None):
     a length outside [0, S], or, with a cache, a page below the length that is unassigned or
     outside the pool. Others (traced, or on an accelerator, which the host would wait for) are
     checked by the program, which makes the rows of bad sequences NaN (host values None)."""
+    if type(B) is not int:  # a symbolic batch (jax.export): lengths are checked in the program
+        return jnp.broadcast_to(jnp.asarray(S if kv_len is None else kv_len, jnp.int32), (B,)), None
     if kv_len is None:
         # numpy: under jit a constant, not a broadcast XLA runs as a kernel of its own per call
         kv_len = np.full((B,), S, np.int32)

@@ -485,7 +485,7 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     a, b = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (a, b))
     check_operands("bmm", a, b, b_max_ndim=None)
     try:
-        batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])  # (jax.export: symbolic dims)
     except ValueError:
         raise ValueError(f"bmm: batch dims of a {a.shape} and b {b.shape} do not broadcast.")
     (m, k), n = a.shape[-2:], b.shape[-1]
