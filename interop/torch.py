@@ -336,6 +336,19 @@ def _check_dense(query, key, value) -> None:
             "and keep them apart with a document mask_mod.")
 
 
+def _autocast(*tensors):
+    """q, k and v as torch's flex_attention takes them under `torch.autocast`: each floating
+    tensor on query's device type, float64 excepted, cast to that device's autocast dtype."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    device_type = first.device.type
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
+                 and x.dtype != torch.float64 and x.device.type == device_type else x
+                 for x in tensors)
+
+
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:
     """The dtype the call computes in: q's, k and v cast to it as torch does (float64 runs
     on jattn's xla implementation, in JAX's x64 mode)."""
@@ -397,6 +410,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse = jt.flex_attention(q, k, v, bias, block_mask=mask, return_lse=True)
         print(out.shape, lse.shape)  # torch.Size([1, 2, 128, 32]) torch.Size([1, 2, 128])
     """
+    query, key, value = _autocast(query, key, value)
     with _dlpack.x64_scope(query):
         return _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                return_lse, kernel_options, return_aux, implementation, sinks,

@@ -43,22 +43,28 @@ class Skeleton:
 
     def rebuild(self, arrays) -> types.FunctionType:
         """The function, reading `arrays` (in `split`'s order) where it read its own."""
+        if not self.n_arrays:
+            return self.function
         return guards.with_arrays(self.function, list(arrays))
 
 
 def split(value: Any, signature: Sequence[jax.ShapeDtypeStruct]
           ) -> tuple[Skeleton, list] | None:
     """(skeleton, arrays) of a plain user function that reads arrays and computes with them
-    as arrays when called at `signature`; None for anything else (no arrays read: nothing to
-    gain; read another way, or read in Python — `int(prefix)`, NumPy on a NumPy array —
-    which needs their values: kept whole)."""
+    as arrays when called at `signature`, or reads none (its skeleton then compares by the
+    scalars it reads: a global `W` changed between two masks is a new mask_mod, not the first
+    one's under jit); None for anything else (state it cannot record, arrays read another way
+    or in Python — `int(prefix)`, NumPy on a NumPy array — which needs their values: kept
+    whole)."""
     if type(value) is not types.FunctionType or guards.is_library_function(value):
         return None
     # (NumPy arrays by shape and dtype: they are passed on as traced arrays, like JAX's)
     record, arrays = guards.read_state(value, numpy_by_value=False)
-    if record is None or not arrays:
+    if record is None:
         return None
     skeleton = Skeleton(record, value, len(arrays))
+    if not arrays:
+        return skeleton, []
     key = (record, tuple(signature))
     splits = _SPLITS.get(key)
     if splits is None:

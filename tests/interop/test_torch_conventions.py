@@ -493,3 +493,21 @@ def test_jax_block_masks_draw_and_count_as_torchs(shape, block, kwargs):
     assert ours.numel() == theirs.numel()
     assert [tuple(x.shape) for x in (ours[0, 1].kv_num_blocks, ours[:, 0, 1].kv_indices)] == \
         [tuple(x.shape) for x in (theirs[0, 1].kv_num_blocks, theirs[:, 0, 1].kv_indices)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_query_key_and_value_as_torch_does(dtype):
+    """Under torch.autocast torch's flex_attention casts q, k and v to the autocast dtype
+    (float64 excepted) and returns that dtype; gradients reach the float32 inputs."""
+    q, k, v = (x.requires_grad_() for x in _qkv())
+    with torch.autocast("cpu", dtype=dtype):
+        out = jt.flex_attention(q, k, v, enable_gqa=True)
+        expected = torch_flex(q, k, v)
+    assert out.dtype == expected.dtype == dtype
+    torch.testing.assert_close(out, jt.flex_attention(
+        *(x.detach().to(dtype) for x in (q, k, v)), enable_gqa=True), rtol=0, atol=0)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert all(g.dtype == torch.float32 and g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+    with torch.autocast("cpu", dtype=dtype):
+        assert jt.flex_attention(*(x.detach().double() for x in (q, k, v)),
+                                 enable_gqa=True).dtype == torch.float64

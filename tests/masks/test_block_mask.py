@@ -276,3 +276,32 @@ def test_a_sliced_block_mask_decodes_one_query_once_given_its_mask_mod_and_lengt
         mask[2]
     with pytest.raises(IndexError, match="at most 3 indices"):
         mask[0, 0, 0, 0]
+
+
+WINDOW = 10
+
+
+def _window_from_global(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+
+def test_a_mask_mod_reading_python_scalars_passes_through_jit_by_their_values():
+    """A fresh closure over a Python int compiles once; a global changed between two masks
+    (a widening window) is the new mask_mod inside partial blocks, not the first trace's."""
+    global WINDOW
+    B, H, L, E = 1, 2, 128, 16
+    x = jax.random.normal(jax.random.key(0), (B, H, L, E))
+    traces = []
+    step = jax.jit(lambda x, mask: traces.append(1) or
+                   jattn.flex_attention(x, x, x, block_mask=mask))
+
+    def window_of(size):
+        return lambda b, h, q_idx, kv_idx: (q_idx >= kv_idx) & (q_idx - kv_idx < size)
+
+    for _ in range(3):
+        step(x, jattn.create_block_mask(window_of(64), None, None, L, L, block_size=32))
+    assert len(traces) == 1
+    for WINDOW in (10, 37):
+        mask = jattn.create_block_mask(_window_from_global, None, None, L, L, block_size=32)
+        np.testing.assert_array_equal(step(x, mask), jattn.flex_attention(x, x, x,
+                                                                          block_mask=mask))
