@@ -305,3 +305,19 @@ def test_a_mask_mod_reading_python_scalars_passes_through_jit_by_their_values():
         mask = jattn.create_block_mask(_window_from_global, None, None, L, L, block_size=32)
         np.testing.assert_array_equal(step(x, mask), jattn.flex_attention(x, x, x,
                                                                           block_mask=mask))
+
+
+def test_a_block_mask_slices_at_a_traced_position_and_survives_host_round_trips():
+    ids = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 64)
+    mask = jattn.create_block_mask(lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx],
+                                   None, 2, 256, 256, block_size=64)
+    rows = jax.jit(lambda i: mask[:, :, i].kv_num_blocks)(jnp.int32(2))
+    assert rows.shape == (1, 2, 1)
+    np.testing.assert_array_equal(rows, mask[:, :, 2].kv_num_blocks)
+    # jax.device_get (saving a train state) leaves NumPy arrays the mod indexes with tracers
+    x = jax.random.normal(jax.random.key(0), (1, 2, 256, 16))
+    np.testing.assert_array_equal(
+        jattn.flex_attention(x, x, x, block_mask=jax.device_get(mask)),
+        jattn.flex_attention(x, x, x, block_mask=mask))
+    abstract = jax.eval_shape(lambda: mask)
+    assert repr(abstract).startswith("BlockMask(shape=(1, 2, 256, 256)")

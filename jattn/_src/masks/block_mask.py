@@ -327,8 +327,9 @@ class BlockMask:
     def __repr__(self) -> str:
         head = (f"BlockMask(shape={self.shape}, block_size={self.block_size}, "
                 f"mask_mod={getattr(self.mask_mod, '__name__', self.mask_mod)}")
-        if isinstance(self.kv_num_blocks, jax.core.Tracer):
-            return head + ")"
+        if not isinstance(self.kv_num_blocks, (jax.Array, np.ndarray)) or isinstance(
+                self.kv_num_blocks, jax.core.Tracer):
+            return head + ")"  # (traced, or abstract: jax.eval_shape's)
         picture = ""
         n_q, n_kv = self.num_blocks
         if n_q <= 16 and n_kv <= 32:
@@ -377,7 +378,9 @@ def _flatten(mask: BlockMask):
 def _unflatten(aux, children) -> BlockMask:
     block_size, seq_lengths, mod_tree, static = aux
     mod_children = tuple(children[len(_LISTS):])
-    arrays = iter(mod_children)
+    # NumPy arrays (jax.device_get of a mask) become JAX arrays where the mod reads them: a mod
+    # indexes them with traced positions.
+    arrays = iter(jnp.asarray(x) if isinstance(x, np.ndarray) else x for x in mod_children)
     leaves = []
     for x in static:
         if x is None:
@@ -426,8 +429,10 @@ def _kept_dim(index, size: int, dim: int):
                              f"size {size}.")
         index = int(index) % size
         return slice(index, index + 1)
-    if isinstance(index, slice) or (hasattr(index, "dtype") and
-                                    jnp.issubdtype(index.dtype, jnp.integer)):
+    if hasattr(index, "dtype") and jnp.issubdtype(index.dtype, jnp.integer):
+        # a 0-d array (a traced position) keeps its dim as an int does
+        return jnp.reshape(index, (1,)) if jnp.ndim(index) == 0 else index
+    if isinstance(index, slice):
         return index
     if isinstance(index, (list, tuple)):
         return np.asarray(index, np.int32)
