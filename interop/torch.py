@@ -17,15 +17,21 @@ import typing
 import jax
 import torch
 import torch.nn.attention.flex_attention as _flex
+# torch's mask helpers and types, so that `from jattn.torch import ...` replaces
+# `from torch.nn.attention.flex_attention import ...` (jattn's ops take them as torch's do)
+from torch.nn.attention.flex_attention import (AuxOutput, AuxRequest, BlockMask,
+                                               FlexKernelOptions, and_masks, create_mask,
+                                               noop_mask, or_masks)
 
 import jattn
 from jattn._src.bridge import check_pool_sizes
 from . import _decode_ops, _dlpack, _gemm_ops, _ops  # they register torch.ops.jattn.*
 from ._capture import capture
 
-__all__ = ["PagedKVCache", "b2b_matmul", "bmm", "create_block_mask", "flex_attention",
-           "flex_decode", "matmul", "mixed_matmul", "mm_plus_mm", "quantize_weight",
-           "scaled_matmul"]
+__all__ = ["AuxOutput", "AuxRequest", "BlockMask", "FlexKernelOptions", "PagedKVCache",
+           "and_masks", "b2b_matmul", "bmm", "create_block_mask", "create_mask",
+           "flex_attention", "flex_decode", "matmul", "mixed_matmul", "mm_plus_mm", "noop_mask",
+           "or_masks", "quantize_weight", "scaled_matmul"]
 
 # ------------------------------------------------------------------------------------------------
 # GEMMs
@@ -279,7 +285,17 @@ _KERNEL_OPTIONS = {"BLOCK_M": ("block_q",), "BLOCK_N": ("block_k",),
                    "num_stages": ("num_stages", "bwd_num_stages"),
                    "fwd_num_warps": ("num_warps",), "fwd_num_stages": ("num_stages",),
                    "bwd_num_warps": ("bwd_num_warps",), "bwd_num_stages": ("bwd_num_stages",),
-                   "fwd_BLOCK_M": ("block_q",), "fwd_BLOCK_N": ("block_k",)}
+                   "fwd_BLOCK_M": ("block_q",), "fwd_BLOCK_N": ("block_k",),
+                   "bwd_BLOCK_M1": ("bwd_block_q",), "bwd_BLOCK_M2": ("bwd_block_q",),
+                   "bwd_BLOCK_N1": ("bwd_block_k",), "bwd_BLOCK_N2": ("bwd_block_k",)}
+
+
+def _option_priority(key: str) -> tuple[bool, bool]:
+    """Keys applied in this order, later ones winning: unprefixed before `fwd_`/`bwd_`
+    prefixed, and the dQ kernel's tile (BLOCK_M2/N2) before the dK/dV kernel's (M1/N1):
+    jattn's two backward kernels share one tile, which torch's usual (M1, N1, M2, N2) =
+    (32, 64, 64, 32) cannot give both."""
+    return key.startswith(("fwd_", "bwd_")), not key.endswith(("BLOCK_M2", "BLOCK_N2"))
 
 
 def _config(kernel_options, dtype: torch.dtype) -> str | None:
@@ -294,17 +310,10 @@ def _config(kernel_options, dtype: torch.dtype) -> str | None:
         raise TypeError(f"flex_attention: `kernel_options` must be a dict or None, got "
                         f"{type(kernel_options).__name__}.")
     _check_backend(kernel_options)
-    fields, sources = {}, {}
-    prefixed = lambda key: key.startswith(("fwd_", "bwd_"))  # noqa: E731
-    for key in sorted(kernel_options, key=prefixed):  # unprefixed first; prefixed ones win
+    fields = {}
+    for key in sorted(kernel_options, key=_option_priority):
         for name in _KERNEL_OPTIONS.get(key, ()):
-            value = kernel_options[key]
-            if name in fields and not prefixed(key) and fields[name] != value:
-                raise ValueError(
-                    f"flex_attention: kernel_options {sources[name]}={fields[name]} and "
-                    f"{key}={value} set the same jattn tile ({name}): jattn's dQ and dK/dV "
-                    "kernels share one backward tile; give them the same value.")
-            fields[name], sources[name] = value, key
+            fields[name] = kernel_options[key]
     if not fields:
         return _ops.encode_config(None, precision)
     try:

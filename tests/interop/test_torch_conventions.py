@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import interop.torch as jt  # noqa: E402
+from interop import _ops  # noqa: E402
 from tests.interop.torch_reference import dense, torch_flex  # noqa: E402
 
 B, HQ, HKV, L, E = 2, 4, 2, 96, 16
@@ -113,7 +114,7 @@ def test_nested_tensors_raise_as_in_torch():
 def test_kernel_options_become_jattns_config():
     """BLOCK_M/BLOCK_N and warps/stages reach the kernels (here through the Pallas
     interpreter) as the AttentionConfig they name; keys without a jattn counterpart are
-    ignored; a backward tile jattn cannot honour, or an invalid tile, raises."""
+    ignored; an invalid tile raises."""
     import jax
     import jattn
 
@@ -129,9 +130,13 @@ def test_kernel_options_become_jattns_config():
                                         enable_gqa=True, config=config,
                                         implementation="interpret")
     assert torch.equal(ours, torch.from_dlpack(expected))
-    with pytest.raises(ValueError, match="BLOCK_M1=32 and BLOCK_M2=64 .* share one backward"):
-        jt.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M1": 32,
-                                                                    "BLOCK_M2": 64})
+    # torch's usual backward tiles (M1, N1, M2, N2) = (32, 64, 64, 32), also bwd_-prefixed:
+    # jattn's two backward kernels share the dK/dV kernel's (M1, N1)
+    for prefix in ("", "bwd_"):
+        tiles = dict(zip((prefix + name for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+                                                     "BLOCK_N2")), (16, 32, 32, 16)))
+        assert _ops.decode_config(jt._config(tiles, torch.float32))[0] == \
+            jattn.AttentionConfig(bwd_block_q=16, bwd_block_k=32)
     with pytest.raises(ValueError, match="kernel_options .* invalid jattn config.*block_q=48"):
         jt.flex_attention(q, k, v, enable_gqa=True, kernel_options={"BLOCK_M": 48})
 
@@ -511,3 +516,11 @@ def test_autocast_casts_query_key_and_value_as_torch_does(dtype):
     with torch.autocast("cpu", dtype=dtype):
         assert jt.flex_attention(*(x.detach().double() for x in (q, k, v)),
                                  enable_gqa=True).dtype == torch.float64
+
+
+def test_torchs_mask_helpers_and_types_import_from_the_bridge():
+    """`from jattn.torch import ...` replaces `from torch.nn.attention.flex_attention import
+    ...` for the helpers and types a training script imports with flex_attention."""
+    for name in ("AuxOutput", "AuxRequest", "BlockMask", "FlexKernelOptions", "and_masks",
+                 "create_mask", "noop_mask", "or_masks"):
+        assert getattr(jt, name) is getattr(flex, name) and name in jt.__all__
