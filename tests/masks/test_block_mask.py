@@ -78,6 +78,7 @@ def test_library_mods_check_their_arguments():
             (lambda: jattn.masks.prefix_lm(-3), "`prefix_length` must be an int >= 0"),
             (lambda: jattn.masks.prefix_lm(2.5), "`prefix_length` must be an int >= 0"),
             (lambda: jattn.masks.sliding_window(0), "`window` must be a positive int"),
+            (lambda: jattn.masks.sliding_window(jnp.ones(2, jnp.int32)), "0-d integer array"),
             (lambda: jattn.mods.alibi(jnp.ones((2, 2))), r"`slopes` .* shape \[H\]"),
             (lambda: jattn.mods.relative_position_bias(jnp.ones(5)), r"\[H, 2R\+1\]"),
             (lambda: jattn.mods.relative_position_bias(jnp.ones((2, 4))), "an odd width")]:
@@ -86,6 +87,12 @@ def test_library_mods_check_their_arguments():
     window = jattn.create_mask(jattn.masks.sliding_window(np.int64(2)), None, None, 4, 4)
     np.testing.assert_array_equal(window, jattn.create_mask(jattn.masks.sliding_window(2),
                                                             None, None, 4, 4))
+    # a window per layer, scanned over (Gemma's alternating local and global layers)
+    per_layer = jax.lax.map(lambda w: jattn.create_mask(jattn.masks.sliding_window(w), None,
+                                                        None, 4, 4), jnp.array([2, 4]))
+    np.testing.assert_array_equal(per_layer[0], window)
+    np.testing.assert_array_equal(per_layer[1], jattn.create_mask(jattn.masks.causal_mask,
+                                                                  None, None, 4, 4))
 
 
 @pytest.mark.parametrize("counts,indices,match", [

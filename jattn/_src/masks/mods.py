@@ -75,7 +75,8 @@ def sliding_window(window: int) -> MaskMod:
     """Causal attention to the last `window` keys, the query's own included.
 
     Args:
-      window: int >= 1, the keys each query attends to (itself and window - 1 before it).
+      window: int >= 1, the keys each query attends to (itself and window - 1 before it), or a
+        0-d integer array (a per-layer window under `jax.lax.scan`; not checked).
 
     Returns:
       A mask_mod `f(b, h, q_idx, kv_idx) -> bool` on int32 indices (as `causal_mask`).
@@ -85,6 +86,11 @@ def sliding_window(window: int) -> MaskMod:
         dense = jattn.create_mask(jattn.masks.sliding_window(2), None, None, 4, 4)
         print(dense[0, 0].sum(axis=1))  # [1 2 2 2]; dense is bool (1, 1, 4, 4)
     """
+    if hasattr(window, "dtype") and not isinstance(window, numbers.Integral):
+        if not (jnp.issubdtype(window.dtype, jnp.integer) and jnp.ndim(window) == 0):
+            raise ValueError(f"sliding_window: `window` must be a positive int or a 0-d "
+                             f"integer array, got {window!r}.")
+        return _SlidingWindow(window)
     if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
         raise ValueError(f"sliding_window: `window` must be a positive int, got {window!r}.")
     return _SlidingWindow(int(window))
@@ -92,7 +98,7 @@ def sliding_window(window: int) -> MaskMod:
 
 @_library_mod("jattn.masks.sliding_window")
 class _SlidingWindow:
-    window: int
+    window: Any
 
     def __call__(self, b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < self.window)
