@@ -107,12 +107,17 @@ def lookup(key: str) -> Translation:
 # Example arguments: 0-d, as torch FlexAttention calls a mod
 # ------------------------------------------------------------------------------------------------
 
-def _example_args(kind: str) -> tuple[torch.Tensor, ...]:
+def _example_args(role: str) -> tuple[torch.Tensor, ...]:
     index = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
-    return (torch.zeros(()), *index) if kind == "score" else tuple(index)
+    if role == "mask":
+        return tuple(index)
+    return (torch.zeros((), dtype=torch.float64 if role == "score64" else torch.float32), *index)
 
 
-_EXAMPLES = {kind: _example_args(kind) for kind in ARITY}
+# A mod's role: its kind, and for score_mods the score's dtype, float32 (torch's for every
+# input dtype but float64) or float64 ("score64": `x.to(score.dtype)` is float64 there).
+ROLES = ("score", "score64", "mask")
+_EXAMPLES = {role: _example_args(role) for role in ROLES}
 
 
 def _mod_name(mod) -> str:
@@ -271,10 +276,10 @@ def _code_identity(mod):
             return type(mod)
 
 
-# Per kind ("score", "mask"): a function used in both roles gets two translations, and the
-# wrong role's call its own clear error.
-_TRAMPOLINES = {kind: weakref.WeakKeyDictionary() for kind in ARITY}
-_JAX_MODS = {kind: weakref.WeakKeyDictionary() for kind in ARITY}  # code -> True
+# Per role: a function used in two roles gets two translations, and the wrong role's call its
+# own clear error.
+_TRAMPOLINES = {role: weakref.WeakKeyDictionary() for role in ROLES}
+_JAX_MODS = {role: weakref.WeakKeyDictionary() for role in ROLES}  # code -> True
 
 
 def _is_recompile_limit(error: BaseException) -> bool:
@@ -371,11 +376,11 @@ class _FastGuard:
         return self.translation.fetch(mod)
 
 
-_FAST_GUARDS = {kind: weakref.WeakKeyDictionary() for kind in ARITY}  # identity -> list
+_FAST_GUARDS = {role: weakref.WeakKeyDictionary() for role in ROLES}  # identity -> list
 _MAX_FAST_GUARDS = 4  # per code object: the translations of its latest states
 
 
-def _remember(kind: str, identity, mod, translation: Translation, tensors) -> None:
+def _remember(role: str, identity, mod, translation: Translation, tensors) -> None:
     if translation.guards is None:
         return
     try:
@@ -383,59 +388,63 @@ def _remember(kind: str, identity, mod, translation: Translation, tensors) -> No
     except Exception:  # noqa: BLE001  (a source we cannot read: Dynamo checks this one)
         return
     with _LOCK:
-        guards = [g for g in _FAST_GUARDS[kind].get(identity, ())
+        guards = [g for g in _FAST_GUARDS[role].get(identity, ())
                   if g.translation is not translation]
-        _FAST_GUARDS[kind][identity] = [guard, *guards][:_MAX_FAST_GUARDS]
+        _FAST_GUARDS[role][identity] = [guard, *guards][:_MAX_FAST_GUARDS]
 
 
 # ------------------------------------------------------------------------------------------------
 # Entry points
 # ------------------------------------------------------------------------------------------------
 
-def capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
+def capture(mod, kind: str, float64: bool = False
+            ) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     """The mod's translation and the tensors it reads now (its captured tensors, in the
-    translation's order). Raises a clear error for a mod that cannot be translated."""
-    translation, tensors = _capture(mod, kind)
+    translation's order). Raises a clear error for a mod that cannot be translated.
+    float64: a score_mod of a float64 call (traced on a float64 score, as torch calls it)."""
+    role = "score64" if float64 and kind == "score" else kind
+    translation, tensors = _capture(mod, kind, role)
     return _live(translation), tensors
 
 
-def _capture(mod, kind: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
+def _capture(mod, kind: str, role: str) -> tuple[Translation, tuple[torch.Tensor, ...]]:
     if not callable(mod):
         raise TypeError(f"{kind}_mod must be callable {_SIGNATURES[kind]}, got "
                         f"{type(mod).__name__}.")
     identity = _code_identity(mod)
-    for guard in _FAST_GUARDS[kind].get(identity, ()):
+    for guard in _FAST_GUARDS[role].get(identity, ()):
         tensors = guard(mod)
         if tensors is not None:
             return guard.translation, tensors
-    if _JAX_MODS[kind].get(identity):
+    if _JAX_MODS[role].get(identity):
         return _jax_translation(mod), ()
     with _LOCK:
-        trampoline = _TRAMPOLINES[kind].get(identity)
+        trampoline = _TRAMPOLINES[role].get(identity)
         if trampoline is None:
-            trampoline = _TRAMPOLINES[kind][identity] = _Trampoline(kind, mod)
-    result = _call(trampoline, mod, kind, identity)
+            trampoline = _TRAMPOLINES[role][identity] = _Trampoline(kind, mod)
+    result = _call(trampoline, mod, kind, role, identity)
     if result is None:
         return _jax_translation(mod), ()
     translation, tensors = result
-    _remember(kind, identity, mod, translation, tensors)
+    _remember(role, identity, mod, translation, tensors)
     return translation, tensors
 
 
-def _call(trampoline: _Trampoline, mod, kind: str, identity, retried: bool = False):
+def _call(trampoline: _Trampoline, mod, kind: str, role: str, identity,
+          retried: bool = False):
     """(translation, tensors) from one trampoline call; None for a JAX mod. A trampoline past
     Dynamo's recompile limit is replaced once (a mod that fails on the fresh one too gets its
     own error)."""
     _SLOT.value = None
     try:
-        out = trampoline.compiled(mod, *_EXAMPLES[kind])
+        out = trampoline.compiled(mod, *_EXAMPLES[role])
     except Exception as error:  # noqa: BLE001  (Dynamo's errors: sorted out below)
         if _is_recompile_limit(error) and not retried:
             with _LOCK:
-                fresh = _TRAMPOLINES[kind][identity] = _Trampoline(kind, mod)
-            return _call(fresh, mod, kind, identity, retried=True)
+                fresh = _TRAMPOLINES[role][identity] = _Trampoline(kind, mod)
+            return _call(fresh, mod, kind, role, identity, retried=True)
         if _is_jax_mod(mod, kind):
-            _JAX_MODS[kind][identity] = True
+            _JAX_MODS[role][identity] = True
             return None
         raise _mod_error(mod, kind, error) from None
     result, _SLOT.value = getattr(_SLOT, "value", None), None  # holds no tensor past the call
@@ -443,7 +452,7 @@ def _call(trampoline: _Trampoline, mod, kind: str, identity, retried: bool = Fal
         return result
     # No graph: the mod computes nothing on tensors (transformers' score_mod without softcap or
     # bias returns `score`), and some torch versions then skip the backend.
-    for position, example in enumerate(_EXAMPLES[kind]):
+    for position, example in enumerate(_EXAMPLES[role]):
         if out is example:
             return _argument_translation(position), ()
     raise TypeError(f"{kind}_mod {_mod_name(mod)} returned {type(out).__name__} without "

@@ -90,10 +90,12 @@ def needs_autograd(tensors) -> bool:
 # in a torch.compile graph): "score key,mask key", either empty when there is no such mod.
 
 
-def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
+def capture_mods(score_mod, mask_mod, float64: bool = False) -> tuple[str, tuple[Tensor, ...]]:
     """The op key of (score_mod, mask_mod) and the tensors they read now: score_mod's, then
-    mask_mod's (see `_capture.py`)."""
-    score, score_tensors = (None, ()) if score_mod is None else capture(score_mod, "score")
+    mask_mod's (see `_capture.py`; float64: the call's, whose score_mod sees a float64
+    score)."""
+    score, score_tensors = (None, ()) if score_mod is None else capture(score_mod, "score",
+                                                                        float64)
     mask, mask_tensors = (None, ()) if mask_mod is None else capture(mask_mod, "mask")
     key = f"{'' if score is None else score.key},{'' if mask is None else mask.key}"
     # int64 ids narrowed once here, so that the forward and the backward share them and an
@@ -103,20 +105,20 @@ def capture_mods(score_mod, mask_mod) -> tuple[str, tuple[Tensor, ...]]:
 
 # runs (and translates) at trace time: a constant key
 @bridge.compat.torch_assume_constant_result
-def _key_while_tracing(n_score: int, *parts) -> str:
+def _key_while_tracing(float64: bool, n_score: int, *parts) -> str:
     score = _mod_parts.rebuild(parts[:n_score]) if n_score else None
     mask = _mod_parts.rebuild(parts[n_score:]) if len(parts) > n_score else None
-    return capture_mods(score, mask)[0]
+    return capture_mods(score, mask, float64)[0]
 
 
-def traced_mods(score_mod, mask_mod) -> tuple[str, list[Tensor]]:
+def traced_mods(score_mod, mask_mod, float64: bool = False) -> tuple[str, list[Tensor]]:
     """`capture_mods` inside torch.compile: the key is fixed at trace time; every value the
     translation depends on is read where the mods read it, so that Dynamo guards on it (a
     changed scalar re-traces), and the tensors they read become graph inputs (new values
     reach the op without recompiling)."""
     score_parts = () if score_mod is None else _mod_parts.parts(score_mod)
     mask_parts = () if mask_mod is None else _mod_parts.parts(mask_mod)
-    key = _key_while_tracing(len(score_parts), *score_parts, *mask_parts)
+    key = _key_while_tracing(float64, len(score_parts), *score_parts, *mask_parts)
     tensors, state = [], []
     for mod, name in zip((score_mod, mask_mod), key.split(",")):
         if name:

@@ -466,8 +466,8 @@ def _own_shape(node) -> tuple:
 
 def _as_traced_dtype(out, node, inputs):
     """torch's result dtype for the node (its type promotion, not JAX's). Mods are traced on a
-    float32 score, as torch calls them for every input dtype but float64: where a float64
-    call's score (or a value computed from it) makes the node float64 here, a float32 traced
+    float32 score, as torch calls them for every input dtype but float64 (a float64 call's on
+    a float64 one): where a float64 value makes the node float64 here, a float32 traced
     result stays float64, as torch's would be; float32 asked for by name (`.float()`) or made
     from integers (`(q_idx - kv_idx) / 7`, torch's default dtype) stays float32."""
     val = node.meta.get("val")

@@ -349,9 +349,10 @@ def _autocast(*tensors):
     """q, k and v as torch's flex_attention takes them under `torch.autocast`: each floating
     tensor on query's device type, float64 excepted, cast to that device's autocast dtype."""
     first = tensors[0]
-    if not isinstance(first, torch.Tensor) or not torch.is_autocast_enabled(first.device.type):
+    device_type = first.device.type if isinstance(first, torch.Tensor) else None
+    if (device_type is None or not torch.amp.is_autocast_available(device_type)
+            or not torch.is_autocast_enabled(device_type)):  # (meta tensors have no autocast)
         return tensors
-    device_type = first.device.type
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point()
                  and x.dtype != torch.float64 and x.device.type == device_type else x
@@ -447,8 +448,8 @@ def _flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
             mask_tensors, block_size = _mask_tensors(block_mask, L, S,
                                                      batch_heads=query.shape[:2])
         traced = compiling and not dropout_p
-        mods, captures = (_ops.traced_mods if traced else _ops.capture_mods)(score_mod,
-                                                                             mask_mod)
+        mods, captures = (_ops.traced_mods if traced else _ops.capture_mods)(
+            score_mod, mask_mod, dtype == torch.float64)
         static = (mods, block_size, [L, S], scale, enable_gqa, implementation, config)
         if dropout_p:  # (hashable static: the dropout programs are cached by it)
             out, lse, *maybe_largest = _ops.flex_attention_dropout(
@@ -521,7 +522,7 @@ def _eager_flex(query, key, value, score_mod, block_mask, mask_mod, L, S, scale,
         *kv_lists, seq_lengths, block_size = _FORWARD_FIELDS(block_mask)
         kv_lists = _read_as_torch(kv_lists[:2] if kv_lists[2] is None else kv_lists,
                                   *query.shape[:2])
-    mods, captures = _ops.capture_mods(score_mod, mask_mod)
+    mods, captures = _ops.capture_mods(score_mod, mask_mod, query.dtype == torch.float64)
     plan = _ops.flex_plan((mods, tuple(block_size), tuple(seq_lengths), len(kv_lists),
                            len(captures), L, S, query.shape[0], query.shape[1], query.dtype,
                            query.shape[-1], value.shape[-1],

@@ -524,3 +524,24 @@ def test_torchs_mask_helpers_and_types_import_from_the_bridge():
     for name in ("AuxOutput", "AuxRequest", "BlockMask", "FlexKernelOptions", "and_masks",
                  "create_mask", "noop_mask", "or_masks"):
         assert getattr(jt, name) is getattr(flex, name) and name in jt.__all__
+
+
+def test_a_float64_calls_mods_see_a_float64_score():
+    """torch calls a float64 call's score_mod on a float64 score, so `x.to(score.dtype)` is
+    float64 there: values and gradcheck at float64 accuracy."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    bias = torch.randn(2, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def call(bias, q=q):
+        def mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h].to(score.dtype) * torch.log1p(
+                (q_idx - kv_idx).abs().to(score.dtype))
+        return jt.flex_attention(q, k, v, mod)
+
+    expected = torch_flex(q, k, v, lambda s, b, h, qi, ki: s + bias.detach()[h] * torch.log1p(
+        (qi - ki).abs().to(s.dtype)))
+    torch.testing.assert_close(call(bias), expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(call, (bias,))
+    # the float32 call of the same mod keeps its own translation
+    assert call(bias.detach().float(), q.float()).dtype == torch.float32
