@@ -4,7 +4,8 @@ such example runs as written, given only the prelude its docstring assumes:
     import jax, jax.numpy as jnp, numpy as np, jattn
     import torch; import jattn.torch as jt      (the torch bridge; `interop` in a checkout)
 
-Public: the names in `__all__` of jattn, jattn.masks, jattn.mods and the torch bridge.
+Public: the names in `__all__` of jattn, jattn.masks, jattn.mods and the torch bridge (less
+torch's own helpers and types, which the bridge re-exports: torch documents them).
 """
 
 import importlib
@@ -35,7 +36,8 @@ def _public_objects():
     if _HAS_TORCH:
         bridge = importlib.import_module("interop")
         entries += [(f"jattn.torch.{name}", getattr(bridge, name), True)
-                    for name in bridge.__all__]
+                    for name in bridge.__all__
+                    if not getattr(getattr(bridge, name), "__module__", "").startswith("torch")]
     return entries
 
 
