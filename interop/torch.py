@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import typing
+import warnings
 
 import jax
 import torch
@@ -265,6 +266,8 @@ def _aux_request(return_lse: bool, return_aux) -> tuple[bool, bool]:
     """Whether the caller wants the LSE (from torch's two ways of asking for it) and the rows'
     largest scores."""
     if return_aux is None:
+        if return_lse:
+            _warn_return_lse()
         return bool(return_lse), False
     if return_lse:
         raise ValueError("flex_attention: pass return_lse or return_aux, not both (torch "
@@ -273,6 +276,18 @@ def _aux_request(return_lse: bool, return_aux) -> tuple[bool, bool]:
         raise TypeError(f"flex_attention: `return_aux` must be an AuxRequest, got "
                         f"{type(return_aux).__name__}.")
     return bool(return_aux.lse), bool(return_aux.max_scores)
+
+
+_RETURN_LSE_WARNED = []  # (torch warns once a process)
+
+
+def _warn_return_lse() -> None:
+    """torch's FutureWarning for return_lse, once a process and never while compiling."""
+    if not _RETURN_LSE_WARNED and not torch.compiler.is_compiling():
+        _RETURN_LSE_WARNED.append(True)
+        warnings.warn("return_lse is deprecated in torch's flex_attention (which jattn's "
+                      "follows); use return_aux=AuxRequest(lse=True) instead.", FutureWarning,
+                      stacklevel=5)
 
 
 # torch's kernel_options -> AttentionConfig fields. torch's backward has a tile per kernel (M1 x
@@ -395,14 +410,17 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     changed Python value re-translates it (see the README). block_mask is a torch BlockMask
     (`create_block_mask` below, or torch's).
     kernel_options: BLOCK_M/BLOCK_N (forward tile), BLOCK_M1/N1/M2/N2 (jattn's one backward
-    tile), num_warps/num_stages (fwd_/bwd_ prefixed too) become a `jattn.AttentionConfig`,
-    its other fields at their defaults; a BACKEND torch rejects raises as in torch; other
-    keys are ignored. NestedTensor inputs raise NotImplementedError, as torch's do.
-    Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True also the
-    float32 natural-log LSE [B, Hq, L], with return_aux=AuxRequest(lse=..., max_scores=...)
-    torch's AuxOutput (max_scores: each row's largest score, float32 [B, Hq, L]). In eager
-    mode on CUDA, a forward that is one kernel compiled by the `triton` package is launched
-    on torch's current stream without going through JAX (README).
+    tile: M1/N1 where the pairs differ), num_warps/num_stages (all fwd_/bwd_ prefixed too)
+    become a `jattn.AttentionConfig`, its other fields at their defaults; a BACKEND torch
+    rejects raises as in torch; other keys are ignored. NestedTensor inputs raise
+    NotImplementedError, as torch's do. Under torch.autocast, q, k and v are cast to the
+    autocast dtype first, as torch does.
+    Returns out [B, Hq, L, Ev] in query's stride order; with return_lse=True (deprecated, as
+    in torch: a FutureWarning once a process) also the float32 natural-log LSE [B, Hq, L],
+    with return_aux=AuxRequest(lse=..., max_scores=...) torch's AuxOutput (max_scores: each
+    row's largest score, float32 [B, Hq, L]). In eager mode on CUDA, a forward that is one
+    kernel compiled by the `triton` package is launched on torch's current stream without
+    going through JAX (README).
     sinks (a jattn addition to torch's signature): attention sinks, one logit per query head
     [Hq], as in `jattn.flex_attention`; a tensor that requires grad gets its gradient, and
     the LSE returned includes them.
@@ -417,8 +435,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx
         mask = jt.create_block_mask(causal, None, None, 128, 128, device="cpu")
         bias = lambda score, b, h, q_idx, kv_idx: score - 0.01 * (q_idx - kv_idx)
-        out, lse = jt.flex_attention(q, k, v, bias, block_mask=mask, return_lse=True)
-        print(out.shape, lse.shape)  # torch.Size([1, 2, 128, 32]) torch.Size([1, 2, 128])
+        out, aux = jt.flex_attention(q, k, v, bias, block_mask=mask,
+                                     return_aux=jt.AuxRequest(lse=True))
+        print(out.shape, aux.lse.shape)  # torch.Size([1, 2, 128, 32]) torch.Size([1, 2, 128])
     """
     query, key, value = _autocast(query, key, value)
     with _dlpack.x64_scope(query):

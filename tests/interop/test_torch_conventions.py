@@ -545,3 +545,15 @@ def test_a_float64_calls_mods_see_a_float64_score():
     assert torch.autograd.gradcheck(call, (bias,))
     # the float32 call of the same mod keeps its own translation
     assert call(bias.detach().float(), q.float()).dtype == torch.float32
+
+
+def test_return_lse_warns_once_as_torchs_deprecation_does():
+    import interop.torch as bridge
+
+    q, k, v = _qkv()
+    bridge._RETURN_LSE_WARNED.clear()
+    with pytest.warns(FutureWarning, match="return_aux=AuxRequest"):
+        jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jt.flex_attention(q, k, v, enable_gqa=True, return_lse=True)  # (once a process)
