@@ -435,10 +435,18 @@ def matmul(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     """
     a, b = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (a, b))
     check_operands("matmul", a, b, b_max_ndim=2)
+    return _product_of_rows("matmul", a, b, bias, epilogue, out_dtype, config, implementation,
+                            precision)
+
+
+def _product_of_rows(op: str, a, b, bias, epilogue, out_dtype, config, implementation,
+                     precision):
+    """a [..., M, K] @ b [K, N] as one product of all of a's rows (`op` names the call in
+    errors and `explain`)."""
     *lead, k = a.shape
-    m, n = math.prod(lead), b.shape[1]
-    options, captures = make_options("matmul", m, n, k, a.dtype, bias, epilogue, out_dtype,
-                                     config, implementation, precision=precision)
+    options, captures = make_options(op, math.prod(lead), b.shape[1], k, a.dtype, bias,
+                                     epilogue, out_dtype, config, implementation,
+                                     precision=precision)
     return jitted(_matmul_flattened, options)(a, b, bias, captures)
 
 
@@ -492,11 +500,8 @@ def bmm(a: jax.Array, b: jax.Array, *, bias: jax.Array | None = None,
     if epilogue is None and math.prod(b.shape[:-2]) == 1:
         # One b for every matrix: one product of all of a's rows (b's gradient accumulated
         # over them in float32, not summed from per-matrix gradients rounded to its dtype).
-        rows = math.prod(batch) * m
-        options, captures = make_options("bmm", rows, n, k, a.dtype, bias, None, out_dtype,
-                                         config, implementation, precision=precision)
-        out = jitted(_matmul_flattened, options)(a, b if b.ndim == 2 else b.reshape(k, n),
-                                                 bias, captures)
+        out = _product_of_rows("bmm", a, b if b.ndim == 2 else b.reshape(k, n), bias, None,
+                               out_dtype, config, implementation, precision)
         return out if out.shape == (*batch, m, n) else out.reshape(*batch, m, n)
     options, captures = make_options("bmm", m, n, k, a.dtype, bias, epilogue, out_dtype,
                                      config, implementation, precision=precision,
