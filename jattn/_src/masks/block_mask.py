@@ -232,20 +232,17 @@ class BlockMask:
         sizes = self.kv_num_blocks.shape
         index = tuple(_kept_dim(i, n, dim) for dim, (i, n) in enumerate(
             zip((*index, slice(None), slice(None))[:3], sizes)))
-        kv_num, kv_idx = self.kv_num_blocks[index], self.kv_indices[index]
-        n_kv = kv_idx.shape[-1]
-        tables = [dense_from_lists(kv_num, kv_idx, n_kv)]
-        full_kv_num = full_kv_idx = full_q_num = full_q_idx = None
-        if self.full_kv_num_blocks is not None:
-            full_kv_num, full_kv_idx = (self.full_kv_num_blocks[index],
-                                        self.full_kv_indices[index])
-            tables.append(dense_from_lists(full_kv_num, full_kv_idx, n_kv))
-        q_num, q_idx = lists_from_dense(_transpose(tables[0]))
-        if len(tables) == 2:
-            full_q_num, full_q_idx = lists_from_dense(_transpose(tables[1]))
-        return BlockMask(kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num,
-                         full_q_idx, block_size=self.block_size, seq_lengths=self.seq_lengths,
-                         mask_mod=sliced_mask_mod)
+        kv_lists = {name: getattr(self, name)[index] for name in _LISTS[:4]
+                    if getattr(self, name) is not None}
+        n_kv = self.num_blocks[1]
+        partial = dense_from_lists(kv_lists["kv_num_blocks"], kv_lists["kv_indices"], n_kv)
+        full = None if self.full_kv_num_blocks is None else dense_from_lists(
+            kv_lists["full_kv_num_blocks"], kv_lists["full_kv_indices"], n_kv)
+        sliced = BlockMask.from_dense_blocks(partial, full, block_size=self.block_size,
+                                             seq_lengths=self.seq_lengths,
+                                             mask_mod=sliced_mask_mod)
+        # the kv lists in the original's order, as torch's slice keeps them
+        return dataclasses.replace(sliced, **kv_lists)
 
     # ---- inspection -----------------------------------------------------------------------------
 
