@@ -1,5 +1,7 @@
 """BlockMask construction, classification of partial/full blocks, conversions and errors."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -255,7 +257,6 @@ def test_slicing_a_block_mask_keeps_the_selected_rows_as_torch_does(index, kv_sh
 
 
 def test_a_sliced_block_mask_decodes_one_query_once_given_its_mask_mod_and_lengths():
-    import dataclasses
     mask = jattn.create_block_mask(jattn.masks.causal_mask, 2, 1, 512, 512)
     keys = jax.random.normal(jax.random.key(0), (2, 2, 512, 64))
     values = jax.random.normal(jax.random.key(1), (2, 2, 512, 64))
