@@ -54,8 +54,8 @@ class Translation:
     """One translation of a mod: `mod` (a TranslatedMod) and the key the ops know it by.
     For a mod used inside a user's torch.compile, as Python that Dynamo traces there:
     fetch(mod) returns the tensors the mod reads (in `mod`'s capture order), read_state(mod)
-    the Python scalars the translation depends on (for Dynamo to guard on, so that a changed
-    one re-traces). Both None for JAX mods. guards: the kinds of the guards Dynamo installed
+    the other values the translation depends on (scalars, the functions and objects the mod
+    reaches, types, lengths: for Dynamo to guard on, so that a changed one re-traces). Both None for JAX mods. guards: the kinds of the guards Dynamo installed
     on what the mod reads, read_guarded(mod) the values they guard (None where some guard is
     of a kind `_FastGuard` does not check: such a mod always goes through Dynamo)."""
 
@@ -170,7 +170,23 @@ def _reader(source_names: list[str], namespace: dict) -> Callable:
 # mod reads.
 _INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|G\['__builtins|"
                        r"L\['args'\]")
-_SCALAR_GUARDS = ("CONSTANT_MATCH", "EQUALS_MATCH")
+# What a translation depends on besides the tensors it reads, as expressions of a guard's
+# source whose values are constants for Dynamo to guard on in a user's trace: a scalar's value,
+# a function's code (a closure cell holding another mod: `fn` in transformers'
+# add_offsets_to_mask_function), an object's identity, a type, a length.
+_STATE_OF_GUARD = {
+    "CONSTANT_MATCH": "{}", "EQUALS_MATCH": "{}", "CLOSURE_MATCH": "{}",
+    "FUNCTION_MATCH": "{}", "ID_MATCH": "{}", "BUILTIN_MATCH": "{}", "MODULE_MATCH": "{}",
+    "CLASS_MATCH": "{}", "TYPE_MATCH": "type({})", "SEQUENCE_LENGTH": "len({})",
+    "LENGTH_CHECK": "len({})", "DICT_KEYS_MATCH": "tuple({}.keys())",
+    "DICT_KEYS": "tuple({}.keys())"}
+
+
+def _state_sources(guards: list[tuple[str, str]]) -> list[str]:
+    """The expressions of `_STATE_OF_GUARD` for a trace's guards (tensors are fetched, and
+    the trampoline's own global is no state)."""
+    return [_STATE_OF_GUARD[kind].format(source) for kind, source in guards
+            if kind in _STATE_OF_GUARD and source != "G['_GetItemToIndex']"]
 
 
 def _user_guards() -> list[tuple[str, str]]:
@@ -233,13 +249,12 @@ def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...]):
         for slot in capture_slots:
             _translate.jax_dtype(example_inputs[slot].dtype)  # raises for one jattn lacks
         guards = _user_guards()
-        scalars = [source for guard, source in guards if guard in _SCALAR_GUARDS]
         checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
         capture_names = tuple(_readable(source, freevars) for source in sources)
         translation = _register(
             _translate.translate(core, arg_slots, capture_slots, name, capture_names),
             _reader(sources, namespace),
-            _reader(scalars, namespace),
+            _reader(_state_sources(guards), namespace),
             tuple(guard for guard, _ in guards) if checkable else None,
             _reader([source for _, source in guards], namespace) if checkable else None)
 

@@ -79,13 +79,16 @@ def _holds_tensor(value) -> bool:
         return True
     if isinstance(value, (tuple, list)):
         return any(_holds_tensor(v) for v in value)
-    if isinstance(value, types.FunctionType) and _made_in_trace(value):
+    if made_in_trace(value):
         return any(_holds_tensor(cell.cell_contents) for cell in value.__closure__ or ())
     return False
 
 
-def _made_in_trace(fn) -> bool:
-    return _CLOSURES_READABLE and bridge.compat.torch_made_while_tracing(fn)
+def made_in_trace(value) -> bool:
+    """Whether value is a function made in the trace (no constant: its code and cells are
+    described by `parts` instead)."""
+    return (isinstance(value, types.FunctionType) and _CLOSURES_READABLE
+            and bridge.compat.torch_made_while_tracing(value))
 
 
 def _describe(value, leaves: list) -> tuple:

@@ -126,7 +126,8 @@ def traced_mods(score_mod, mask_mod, float64: bool = False) -> tuple[str, list[T
             if translation.is_torch:
                 state.extend(translation.read_state(mod))
                 tensors.extend(translation.fetch(mod))
-    _guard_on(*(_mod_parts.specialised(value) for value in state))
+    _guard_on(*(_mod_parts.specialised(value) for value in state
+                if not _mod_parts.made_in_trace(value)))
     return key, tensors
 
 

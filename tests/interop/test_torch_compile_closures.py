@@ -155,3 +155,31 @@ def test_a_changed_local_float_re_traces_and_is_followed():
         compiles.append(counter.frame_count)
     assert not torch.equal(outs[20.0], outs[0.5])
     assert compiles[0] < compiles[1] == compiles[2]  # 0.5 re-traces; 20.0 again reuses
+
+
+def _with_offsets(mask_mod, q_offset):
+    """transformers' add_offsets_to_mask_function: one code object for every mod it wraps."""
+    def inner_mask(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + q_offset, kv_idx)
+    return inner_mask
+
+
+def test_a_block_mask_whose_mod_wraps_another_function_re_traces():
+    """Masks made outside the compiled region by one factory over different functions (a
+    causal mask, then causal and padding) share their mod's code: the second call must see the
+    padding, as torch's compiled flex_attention does."""
+    q, padding = _q(), torch.arange(L) >= 5
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def causal_unpadded(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & padding[kv_idx]
+
+    compiled, counter = _compiled(lambda q, block_mask: jt.flex_attention(
+        q, q, q, block_mask=block_mask))
+    for mask_mod in (causal, causal_unpadded, causal):
+        block_mask = jt.create_block_mask(_with_offsets(mask_mod, 0), None, None, L, L, "cpu",
+                                          BLOCK)
+        _exact(compiled(q, block_mask), jt.flex_attention(q, q, q, block_mask=block_mask))
+    assert counter.frame_count == 2
