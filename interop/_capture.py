@@ -55,9 +55,10 @@ class Translation:
     For a mod used inside a user's torch.compile, as Python that Dynamo traces there:
     fetch(mod) returns the tensors the mod reads (in `mod`'s capture order), read_state(mod)
     the other values the translation depends on (scalars, the functions and objects the mod
-    reaches, types, lengths: for Dynamo to guard on, so that a changed one re-traces). Both None for JAX mods. guards: the kinds of the guards Dynamo installed
-    on what the mod reads, read_guarded(mod) the values they guard (None where some guard is
-    of a kind `_FastGuard` does not check: such a mod always goes through Dynamo)."""
+    reaches, types, lengths: for Dynamo to guard on, so that a changed one re-traces). Both
+    None for JAX mods. guards: the kinds of the guards Dynamo installed on what the mod reads,
+    read_guarded(mod) the values they guard (None where some guard is of a kind `_FastGuard`
+    does not check: such a mod always goes through Dynamo)."""
 
     key: str
     mod: _translate.TranslatedMod
