@@ -17,7 +17,10 @@ hands them to the op. So:
 - in-place edits of captured tensors are seen because the kernel reads the tensor itself.
 
 Trampolines are made per mod code object (or class, for callable objects), so each has its
-own Dynamo cache and recompile limit; one that reaches the limit is replaced by a fresh one.
+own Dynamo cache and recompile limit; one whose cache is full is replaced by a fresh one (a
+mod whose state changes every step, transformers' padding mask growing during generation).
+A trace that makes a translation made before (a state seen again) gets that translation back,
+with the ops' compiled programs for it.
 Dynamo's call path costs tens of microseconds, so the guards it installed on what the mod reads
 are also replayed in Python (`_FastGuard`): a call whose mod passes them skips the trampoline.
 A translation with a guard of a kind the replay does not check always goes through Dynamo.
@@ -214,7 +217,24 @@ def _readable(source: str, freevars: tuple[str, ...]) -> str:
     return source.replace("L['mod']", "mod")
 
 
-def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...]):
+def _content(kind: str, name: str, core: torch.fx.GraphModule, example_inputs,
+             arg_slots: list, guards: list) -> tuple:
+    """What a translation is made of: its graph's code and constants, the shapes and dtypes
+    of what it reads, the guards on what it depends on. A trace that makes the same content
+    again (a shape seen before, after Dynamo's cache for the mod was full) gets the same
+    translation, so the ops' compiled programs for it are found again."""
+    constants = tuple(_translate.constant_array(getattr(core, n.target)).tobytes()
+                      for n in core.graph.nodes if n.op == "get_attr")
+    specs = tuple((tuple(x.shape), x.dtype) for x in example_inputs)
+    return kind, name, core.code, constants, specs, tuple(arg_slots), tuple(guards)
+
+
+# Translations by content, the most recent kept (bounded as _TRANSLATIONS is).
+_BY_CONTENT: OrderedDict[tuple, Translation] = OrderedDict()
+
+
+def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...],
+             trampoline_compiles: list[int]):
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs):
         placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
         arg_slots: list[int | None] = [None] * ARITY[kind]
@@ -250,14 +270,23 @@ def _backend(kind: str, name: str, namespace: dict, freevars: tuple[str, ...]):
         for slot in capture_slots:
             _translate.jax_dtype(example_inputs[slot].dtype)  # raises for one jattn lacks
         guards = _user_guards()
-        checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
-        capture_names = tuple(_readable(source, freevars) for source in sources)
-        translation = _register(
-            _translate.translate(core, arg_slots, capture_slots, name, capture_names),
-            _reader(sources, namespace),
-            _reader(_state_sources(guards), namespace),
-            tuple(guard for guard, _ in guards) if checkable else None,
-            _reader([source for _, source in guards], namespace) if checkable else None)
+        content = _content(kind, name, core, example_inputs, arg_slots, guards)
+        translation = _BY_CONTENT.get(content)
+        if translation is None:
+            checkable = all(guard in _GUARD_CHECKS for guard, _ in guards)
+            capture_names = tuple(_readable(source, freevars) for source in sources)
+            translation = _register(
+                _translate.translate(core, arg_slots, capture_slots, name, capture_names),
+                _reader(sources, namespace),
+                _reader(_state_sources(guards), namespace),
+                tuple(guard for guard, _ in guards) if checkable else None,
+                _reader([source for _, source in guards], namespace) if checkable else None)
+            with _LOCK:
+                _BY_CONTENT[content] = translation
+                while len(_BY_CONTENT) > _MAX_TRANSLATIONS:
+                    _BY_CONTENT.popitem(last=False)
+        translation = _live(translation)
+        trampoline_compiles[0] += 1
 
         def run(*inputs):
             _SLOT.value = translation, tuple(inputs[slot] for slot in capture_slots)
@@ -274,8 +303,16 @@ class _Trampoline:
         function = types.FunctionType(body, _trampoline_body.__globals__, body.co_name)
         identity = _code_identity(mod)
         freevars = identity.co_freevars if isinstance(identity, types.CodeType) else ()
-        backend = _backend(kind, _mod_name(mod), function.__globals__, freevars)
+        self.compiles = [0]  # traces so far (Dynamo's cache entries)
+        backend = _backend(kind, _mod_name(mod), function.__globals__, freevars,
+                           self.compiles)
         self.compiled = torch.compile(function, backend=backend, fullgraph=True, dynamic=False)
+
+    @property
+    def full(self) -> bool:
+        """Whether Dynamo's cache for it holds its recompile limit: a call that misses it
+        would print Dynamo's warning (naming this trampoline, not the user's mod) and fail."""
+        return self.compiles[0] >= torch._dynamo.config.recompile_limit
 
 
 def _code_identity(mod):
@@ -436,7 +473,7 @@ def _capture(mod, kind: str, role: str) -> tuple[Translation, tuple[torch.Tensor
         return _jax_translation(mod), ()
     with _LOCK:
         trampoline = _TRAMPOLINES[role].get(identity)
-        if trampoline is None:
+        if trampoline is None or trampoline.full:
             trampoline = _TRAMPOLINES[role][identity] = _Trampoline(kind, mod)
     result = _call(trampoline, mod, kind, role, identity)
     if result is None:
@@ -525,7 +562,7 @@ def _is_jax_mod(mod, kind: str) -> bool:
 def _clear() -> None:
     """Forgets every translation, trampoline and replayed guard (jattn.clear_caches)."""
     with _LOCK:
-        for cache in (_TRANSLATIONS, _JAX_TRANSLATIONS, *_TRAMPOLINES.values(),
+        for cache in (_TRANSLATIONS, _BY_CONTENT, _JAX_TRANSLATIONS, *_TRAMPOLINES.values(),
                       *_JAX_MODS.values(), *_FAST_GUARDS.values()):
             cache.clear()
         _argument_translation.cache_clear()

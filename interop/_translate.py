@@ -533,7 +533,7 @@ def translate(core: torch.fx.GraphModule, arg_slots: Sequence[int | None],
     capture_names their names in the mod's code; name: the mod's.
     """
     nodes = list(core.graph.nodes)
-    constants = {n.target: jnp.asarray(_constant(getattr(core, n.target)))
+    constants = {n.target: jnp.asarray(constant_array(getattr(core, n.target)))
                  for n in nodes if n.op == "get_attr"}
     arg_slots, capture_slots = tuple(arg_slots), tuple(capture_slots)
 
@@ -556,7 +556,8 @@ def translate(core: torch.fx.GraphModule, arg_slots: Sequence[int | None],
     return TranslatedMod(fn, len(capture_slots), name, tuple(capture_names))
 
 
-def _constant(tensor: torch.Tensor) -> np.ndarray:
+def constant_array(tensor: torch.Tensor) -> np.ndarray:
+    """A graph's constant tensor as a NumPy array of its JAX dtype."""
     tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         return tensor.float().numpy().astype(jnp.bfloat16)

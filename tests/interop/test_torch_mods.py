@@ -5,6 +5,7 @@ Each result is compared with torch's own flex_attention, gradients with a float6
 
 import functools
 import gc
+import logging
 import resource
 import threading
 import weakref
@@ -111,6 +112,26 @@ def test_unchanged_state_reuses_the_translation():
     before = len(_capture._TRANSLATIONS)
     _check(q, k, v, mod)
     assert len(keys) == 1 and len(_capture._TRANSLATIONS) == before
+
+
+def test_a_mod_over_a_growing_tensor_finds_its_translations_again(caplog):
+    """transformers' generation loop: a mask_mod over a padding mask one longer each step and
+    an int offset. Past Dynamo's recompile limit for the mod, a state seen before gets its
+    translation again (and so the ops' compiled programs), and Dynamo's recompile-limit
+    warning (which would name jattn's trampoline) is never printed."""
+    def mask_for(length):
+        padding, offset = torch.ones(length, dtype=torch.bool), length - 1
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + offset) & padding[kv_idx]
+        return mask_mod
+
+    lengths = range(8, 20)  # more states than Dynamo's recompile limit (8)
+    with caplog.at_level(logging.WARNING):
+        first = [_capture.capture(mask_for(n), "mask")[0].key for n in lengths]
+        again = [_capture.capture(mask_for(n), "mask")[0].key for n in lengths]
+    assert again == first and len(set(first)) == len(lengths)
+    assert "recompile_limit" not in caplog.text
 
 
 def test_what_dynamo_guards_is_checked_on_every_call():
