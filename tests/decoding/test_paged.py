@@ -46,6 +46,15 @@ def test_assign_writes_through_the_page_table():
     np.testing.assert_array_equal(cache.k_pages[:, 5, 1], prompt_k[0, :, 5])  # page 5, slot 1
 
 
+def test_donating_the_cache_leaves_the_callers_page_table():
+    table = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    cache = PagedKVCache.create(4, 4, 1, 8, table, dtype=jnp.float32)
+    step = jax.jit(lambda cache, k: cache.assign(k, k, jnp.zeros(2, jnp.int32)),
+                   donate_argnums=0)
+    step(cache, jnp.ones((2, 1, 1, 8), jnp.float32))
+    np.testing.assert_array_equal(table, [[0, 1], [2, 3]])  # not deleted with the cache
+
+
 def test_bad_writes_raise_or_are_dropped():
     rng = np.random.default_rng(2)
     cache = PagedKVCache.create(8, 4, 2, 8, [[3, 5, -1], [0, 7, 1]], dtype=jnp.float32)

@@ -72,13 +72,14 @@ class PagedKVCache:
     def create(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                page_table: Any, *, dtype=jnp.bfloat16,
                value_dim: int | None = None) -> PagedKVCache:
-        """Zeroed pools and the given page table [B, max_pages] (int, -1: unassigned)."""
+        """Zeroed pools and a copy of the given page table [B, max_pages] (int, -1:
+        unassigned): donating the cache to a jitted step leaves the caller's table alive."""
         check_pool_sizes(num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads,
                          head_dim=head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         cache = cls(jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
                     jnp.zeros((num_kv_heads, num_pages, page_size, value_dim), dtype),
-                    jnp.asarray(page_table, jnp.int32))
+                    jnp.array(page_table, jnp.int32))
         cache.check()
         return cache
 
