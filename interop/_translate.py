@@ -449,7 +449,7 @@ def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
                 raise _NeedsVmap
             plain = jax.tree_util.tree_map(_array, (args_, kwargs), is_leaf=lambda v: isinstance(
                 v, (_Batched, _PartialIndex)))
-            out = OPS[node.target](*plain[0], **plain[1])
+            out = OPS[node.target](*_in_result_dtype(node, plain[0]), **plain[1])
             out = _as_traced_dtype(out, node, plain)
             env[node] = _Batched(out) if batched else out
         elif node.op == "output":
@@ -462,6 +462,31 @@ def _run_graph(nodes, constants, args, capture_arrays, arg_slots, capture_slots,
 def _own_shape(node) -> tuple:
     val = node.meta.get("val")
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+# Arithmetic that torch computes in its result's dtype, its operands (a Python float
+# included) converted first: `(q_idx + kv_idx) * 0.3` is float32(i) * float32(0.3), where JAX
+# with float64 enabled would round the float64 product.
+_IN_RESULT_DTYPE = frozenset({
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar,
+    aten.rsub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar})
+
+
+def _in_result_dtype(node, args: tuple) -> tuple:
+    """args of an `_IN_RESULT_DTYPE` node whose result is float32 or float64, converted to
+    that dtype (half-precision results compute in float32 in torch: left to JAX); other
+    nodes' args as they are."""
+    val = node.meta.get("val")
+    if node.target not in _IN_RESULT_DTYPE or not isinstance(val, torch.Tensor) or (
+            val.dtype not in (torch.float32, torch.float64)):
+        return args
+    dtype = jax_dtype(val.dtype)
+    if dtype != jnp.float64 and any(getattr(a, "dtype", None) == jnp.float64 for a in args):
+        return args  # a float64 value in a node traced as float32: `_as_traced_dtype`
+    return tuple(
+        np.asarray(a, dtype)[()] if isinstance(a, (int, float)) and not isinstance(a, bool)
+        else jnp.asarray(a).astype(dtype) if getattr(a, "dtype", dtype) != dtype else a
+        for a in args)
 
 
 def _as_traced_dtype(out, node, inputs):

@@ -229,7 +229,9 @@ def test_float64_is_computed_in_float64_forward_and_backward():
 def test_a_float64_call_computes_a_mod_reading_no_tensor_in_float64():
     """Mods are traced on float32 scores; a float64 call's mod must not round to them."""
     q, k, v = _qkv(torch.float64)
-    for mod in (lambda s, b, h, qi, ki: s * 2, lambda s, b, h, qi, ki: s * 0.3 + (qi - ki)):
+    for mod in (lambda s, b, h, qi, ki: s * 2, lambda s, b, h, qi, ki: s * 0.3 + (qi - ki),
+                # torch's int * float is float32(i) * float32(0.3), not the rounded product
+                lambda s, b, h, qi, ki: s + (qi + ki) * 0.3):
         expected = torch_flex(q, k, v, mod, None)
         _close(jt.flex_attention(q, k, v, mod, enable_gqa=True), expected, 1e-12)
 
