@@ -263,6 +263,17 @@ def test_low_precision_capture_gradients_follow_the_rounded_output():
 
 
 @pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_an_integer_score_is_promoted_as_torch_does(impl):
+    """`q_idx - kv_idx` as the score (int32, constant along b and h) is the float score."""
+    q, k, v = (jax.random.normal(key, (2, 2, 40, 16))
+               for key in jax.random.split(jax.random.key(0), 3))
+    out = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: qi - ki, implementation=impl)
+    expected = jattn.flex_attention(q, k, v, lambda s, b, h, qi, ki: 0 * s + (qi - ki),
+                                    implementation=impl)
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
 def test_bad_mods_and_masks_raise(impl):
     q, k, v = _qkv(k=(1, 4, 32, 16), v=(1, 4, 32, 16))
     with pytest.raises(ValueError, match="flex_attention: `score_mod` must return one float "

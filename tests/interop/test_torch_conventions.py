@@ -236,6 +236,14 @@ def test_a_float64_call_computes_a_mod_reading_no_tensor_in_float64():
         _close(jt.flex_attention(q, k, v, mod, enable_gqa=True), expected, 1e-12)
 
 
+def test_an_integer_score_is_promoted_as_torchs_is():
+    q, k, v = _qkv()
+    for mod in (lambda s, b, h, qi, ki: qi - ki,
+                lambda s, b, h, qi, ki: torch.where(qi >= ki, 1, 0)):
+        _close(jt.flex_attention(q, k, v, mod, enable_gqa=True),
+               torch_flex(q, k, v, mod, None), 1e-6)
+
+
 def test_differentiating_the_gradients_raises_as_torchs_backward_does():
     """A gradient penalty through attention must not silently lose its second-order term."""
     q, k, v = _qkv(requires_grad=True)

@@ -156,22 +156,27 @@ def checked_score_mod(score_mod: Callable[..., jax.Array], fn: str,
                       scores: tuple[int, ...]) -> Callable[..., jax.Array]:
     """score_mod, with clear errors (naming `fn` and the call's [B, Hq, L, S] `scores`) for
     the common mistakes: a wrong parameter list, Python control flow on the arguments, a result
-    that is not one float per score. Its result has the score's dtype (float32; float64 for
-    float64 inputs)."""
+    that is not one value per score. Its result has the score's dtype (float32; float64 for
+    float64 inputs): an integer or bool result (`q_idx - kv_idx`) is converted, as torch's
+    flex_attention promotes it."""
     check_parameters(fn, "score_mod", score_mod, SCORE_PARAMETERS)
 
     def checked(score, b, h, q_idx, kv_idx):
         with traced_values_explained(fn, "score_mod", score_mod):
             out = score_mod(score, b, h, q_idx, kv_idx)
-        if jnp.shape(out) != score.shape or not jnp.issubdtype(jnp.result_type(out),
-                                                               jnp.floating):
+        if jnp.issubdtype(jnp.result_type(out), jnp.complexfloating):
+            raise TypeError(f"{fn}: `score_mod` must return real scores, but "
+                            f"{name_of(score_mod)} returned {jnp.result_type(out)}.")
+        shape = jnp.shape(out)
+        if len(shape) != score.ndim or any(n not in (1, m) for n, m in zip(shape, score.shape)):
             raise ValueError(
                 f"{fn}: `score_mod` must return one float per score, an array shaped like its "
                 f"`score` argument (e.g. `score + bias[h]`), but {name_of(score_mod)} returned "
                 f"{jnp.result_type(out)} of shape {tuple(jnp.shape(out))} for a score of shape "
                 f"{tuple(score.shape)} (jattn calls it on blocks of the [B, Hq, L, S] = "
                 f"{list(scores)} scores); did it reduce over an axis, or return a constant?")
-        return out.astype(score.dtype)
+        # (a result that does not vary along an index, `q_idx - kv_idx`, has ones there)
+        return jnp.broadcast_to(out.astype(score.dtype), score.shape)
     return checked
 
 
