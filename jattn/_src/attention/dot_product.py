@@ -50,9 +50,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         head (Flax's broadcast_dropout).
 
     Returns:
-      [B, T, N, H] like query (with return_residual also the natural-log LSE [B, T, N]). One
-      difference from jax.nn: a query that attends to no key (past its sequence length, or
-      masked everywhere) gives 0 and LSE -inf, where jax.nn averages the values.
+      [B, T, N, H] like query (with return_residual also the natural-log LSE [B, T, N]). A
+      query that attends to no key (masked everywhere) gives the values' mean as in jax.nn,
+      and one past its query_seq_length 0; their LSE is -inf (jax.nn's is a large negative
+      number).
 
     Example::
 
@@ -119,9 +120,24 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         scale=scale, enable_gqa=N != key.shape[2], return_lse=True,
         implementation=implementation, precision=precision, dropout=dropout)
     out, lse = jnp.swapaxes(out, 1, 2), jnp.swapaxes(lse, 1, 2)
+    if block_mask is not None or bias is not None:
+        out = _values_mean_where_empty(out, lse, value, q_lengths)
     if not batched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
+
+
+def _values_mean_where_empty(out, lse, value, q_lengths):
+    """out [B, T, N, H] with each query that attends to no key (LSE -inf) within its length
+    given the values' mean over every key, as jax.nn's uniform softmax of equally masked
+    logits gives (the gradient reaches the values alone, as there); queries past their length
+    stay 0, as jax.nn zeroes them."""
+    empty = jnp.isneginf(lse)  # [B, T, N]
+    if q_lengths is not None:
+        empty &= (jnp.arange(lse.shape[1]) < q_lengths[:, None])[..., None]
+    groups = out.shape[2] // value.shape[2]
+    mean = jnp.repeat(value.mean(axis=1), groups, axis=1)  # [B, N, H]
+    return jnp.where(empty[..., None], mean[:, None].astype(out.dtype), out)
 
 
 def _checked_pairwise(name: str, x, B: int, N: int, T: int, S: int):
