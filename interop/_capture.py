@@ -194,12 +194,20 @@ def _state_sources(guards: list[tuple[str, str]]) -> list[str]:
 
 
 def _user_guards() -> list[tuple[str, str]]:
-    """(kind, source) of each guard the trace being compiled installs on what the mod reads."""
+    """(kind, source) of each guard the trace being compiled installs on what the mod reads.
+    A DUPLICATE_INPUT guard (one object reached through two sources: transformers' mask
+    reaches `torch` through its module and ours) has `(a) is (b)` as its source."""
     context = bridge.compat.torch_tracing_context()
     found = set()
     for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
-        if guard.name and not _INTERNAL.search(guard.name):
-            found.add((guard.create_fn_name(), guard.name))
+        kind, name = guard.create_fn_name(), guard.name
+        if kind == "DUPLICATE_INPUT":
+            other = getattr(guard.create_fn, "keywords", {}).get("source_b")
+            if other is not None:
+                other = other.name if isinstance(other.name, str) else other.name()
+                name = None if _INTERNAL.search(other) else f"({name}) is ({other})"
+        if name and not _INTERNAL.search(name):
+            found.add((kind, name))
     return sorted(found)
 
 
@@ -399,6 +407,7 @@ _GUARD_CHECKS = {
     "BUILTIN_MATCH": (_identity_of, lambda v, e: v is e()),
     "MODULE_MATCH": (_identity_of, lambda v, e: v is e()),
     "CLASS_MATCH": (_identity_of, lambda v, e: v is e()),
+    "DUPLICATE_INPUT": (lambda v: v, lambda v, e: v is e),  # `(a) is (b)`: True
 }
 
 
@@ -430,7 +439,7 @@ class _FastGuard:
 
 
 _FAST_GUARDS = {role: weakref.WeakKeyDictionary() for role in ROLES}  # identity -> list
-_MAX_FAST_GUARDS = 4  # per code object: the translations of its latest states
+_MAX_FAST_GUARDS = 64  # per code object: the translations of its latest states
 
 
 def _remember(role: str, identity, mod, translation: Translation, tensors) -> None:

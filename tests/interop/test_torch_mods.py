@@ -134,6 +134,45 @@ def test_a_mod_over_a_growing_tensor_finds_its_translations_again(caplog):
     assert "recompile_limit" not in caplog.text
 
 
+def test_transformers_padding_mask_skips_dynamo_once_seen(monkeypatch):
+    """transformers' mask in generation (add_offsets over and_masks of a causal mask and a
+    padding mask, `.to(result.device)` inside): once a state is translated, a fresh mask of
+    that state is checked by the replayed guards, not by Dynamo (whose guards reach `torch`
+    through torch's own modules too)."""
+    def and_masks(*mods):
+        def and_mask(b, h, q_idx, kv_idx):
+            result = q_idx.new_ones((), dtype=torch.bool)
+            for mod in mods:
+                result = result & mod(b, h, q_idx, kv_idx).to(result.device)
+            return result
+        return and_mask
+
+    def padding(padding_mask):
+        def inner_mask(b, h, q_idx, kv_idx):
+            return padding_mask[b, kv_idx]
+        return inner_mask
+
+    def with_offset(mod, q_offset):
+        def inner_mask(b, h, q_idx, kv_idx):
+            return mod(b, h, q_idx + q_offset, kv_idx)
+        return inner_mask
+
+    def mask_for(step):
+        causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+        return with_offset(and_masks(causal, padding(torch.ones(2, 20 + step, dtype=bool))),
+                           19 + step)
+
+    for step in range(3):
+        _capture.capture(mask_for(step), "mask")
+    dynamo_calls = []
+    original = _capture._call
+    monkeypatch.setattr(_capture, "_call", lambda *a, **k: dynamo_calls.append(1) or original(
+        *a, **k))
+    for step in range(3):
+        _capture.capture(mask_for(step), "mask")
+    assert not dynamo_calls
+
+
 def test_what_dynamo_guards_is_checked_on_every_call():
     """The guards replayed in Python catch each change Dynamo's would: a captured tensor of a
     new shape, a mask swapped inside a list the mod iterates, a flag, a dict key."""
