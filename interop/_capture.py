@@ -76,8 +76,12 @@ class Translation:
 
 
 # Every live translation by key: the ops receive keys (strings are what a torch op and a
-# compiled graph can carry). Bounded: the oldest are dropped past the limit.
+# compiled graph can carry). Bounded: the oldest are dropped past the limit. `lookup` reads
+# them as attributes of `_BY_KEY`: Dynamo reads an attribute when a trace first reaches it,
+# whereas it takes a dict's contents once, so a compiled function whose first flex call
+# translates a mod would not find the key its second call's translation made.
 _TRANSLATIONS: OrderedDict[str, Translation] = OrderedDict()
+_BY_KEY = types.SimpleNamespace()
 _MAX_TRANSLATIONS = 4096
 _KEYS = itertools.count()
 _LOCK = threading.RLock()
@@ -94,13 +98,14 @@ def _live(translation: Translation) -> Translation:
     if translation.key not in _TRANSLATIONS:
         with _LOCK:
             _TRANSLATIONS[translation.key] = translation
+            setattr(_BY_KEY, translation.key, translation)
             while len(_TRANSLATIONS) > _MAX_TRANSLATIONS:
-                _TRANSLATIONS.popitem(last=False)
+                delattr(_BY_KEY, _TRANSLATIONS.popitem(last=False)[0])
     return translation
 
 
 def lookup(key: str) -> Translation:
-    translation = _TRANSLATIONS.get(key)
+    translation = getattr(_BY_KEY, key, None)
     if translation is None:
         raise RuntimeError(f"jattn: mod translation {key!r} was evicted from the bounded "
                            "cache; call the op again eagerly (or recompile) to re-translate.")
@@ -140,7 +145,10 @@ _SLOT = threading.local()  # the last trampoline call's (translation, tensors), 
 
 def _trampoline_body(mod, *args):
     with _GetItemToIndex():  # tensor indices -> aten.index, as torch traces mods
-        return mod(*args)
+        out = mod(*args)
+    # A mod returning an argument (transformers' score_mod without softcap or bias) makes a
+    # graph all the same, so that what it read (`softcap is None`) is guarded.
+    return out.clone() if any(out is arg for arg in args) else out
 
 
 def _arg_index(source) -> int | None:
@@ -152,7 +160,9 @@ def _arg_index(source) -> int | None:
     return None
 
 
-_GLOBAL = re.compile(r"G\['([^']+)'\]")
+# A global of the trampoline: `G['name']` where a source starts (not the item `G['scale']` of
+# `G['__import___main__'].CONFIG['scale']`).
+_GLOBAL = re.compile(r"(?<![\w\])])G\['([^']+)'\]")
 
 
 def _reader(source_names: list[str], namespace: dict) -> Callable:
@@ -174,6 +184,16 @@ def _reader(source_names: list[str], namespace: dict) -> Callable:
 # mod reads.
 _INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|G\['__builtins|"
                        r"L\['args'\]")
+# Guards on whether a key or attribute is present (`"shift" in cfg`, `hasattr(self, "bias")`):
+# the keyword of the guard's argument and the test, as the guard's source.
+_MEMBERSHIP = {
+    "DICT_CONTAINS": ("key", "({arg!r} in {name})"),
+    "DICT_NOT_CONTAINS": ("key", "({arg!r} in {name})"),
+    "HASATTR": ("attr", "hasattr({name}, {arg!r})"),
+    "NOT_PRESENT_IN_GENERIC_DICT": ("attr", "({arg!r} in {name}.__dict__)"),
+}
+
+
 # What a translation depends on besides the tensors it reads, as expressions of a guard's
 # source whose values are constants for Dynamo to guard on in a user's trace: a scalar's value,
 # a function's code (a closure cell holding another mod: `fn` in transformers'
@@ -183,7 +203,7 @@ _STATE_OF_GUARD = {
     "FUNCTION_MATCH": "{}", "ID_MATCH": "{}", "BUILTIN_MATCH": "{}", "MODULE_MATCH": "{}",
     "CLASS_MATCH": "{}", "TYPE_MATCH": "type({})", "SEQUENCE_LENGTH": "len({})",
     "LENGTH_CHECK": "len({})", "DICT_KEYS_MATCH": "tuple({}.keys())",
-    "DICT_KEYS": "tuple({}.keys())"}
+    "DICT_KEYS": "tuple({}.keys())", **dict.fromkeys(_MEMBERSHIP, "{}")}
 
 
 def _state_sources(guards: list[tuple[str, str]]) -> list[str]:
@@ -201,6 +221,10 @@ def _user_guards() -> list[tuple[str, str]]:
     found = set()
     for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
         kind, name = guard.create_fn_name(), guard.name
+        keyword, test = _MEMBERSHIP.get(kind, (None, None))
+        argument = getattr(guard.create_fn, "keywords", {}).get(keyword)
+        if isinstance(argument, (str, int)) and name:
+            name = test.format(name=name, arg=argument)
         if kind == "DUPLICATE_INPUT":
             other = getattr(guard.create_fn, "keywords", {}).get("source_b")
             if other is not None:
@@ -408,6 +432,7 @@ _GUARD_CHECKS = {
     "MODULE_MATCH": (_identity_of, lambda v, e: v is e()),
     "CLASS_MATCH": (_identity_of, lambda v, e: v is e()),
     "DUPLICATE_INPUT": (lambda v: v, lambda v, e: v is e),  # `(a) is (b)`: True
+    **dict.fromkeys(_MEMBERSHIP, (lambda v: v, _same_constant)),  # `"k" in d`: a bool
 }
 
 
@@ -512,11 +537,6 @@ def _call(trampoline: _Trampoline, mod, kind: str, role: str, identity,
     result, _SLOT.value = getattr(_SLOT, "value", None), None  # holds no tensor past the call
     if result is not None:
         return result
-    # No graph: the mod computes nothing on tensors (transformers' score_mod without softcap or
-    # bias returns `score`), and some torch versions then skip the backend.
-    for position, example in enumerate(_EXAMPLES[role]):
-        if out is example:
-            return _argument_translation(position), ()
     raise TypeError(f"{kind}_mod {_mod_name(mod)} returned {type(out).__name__} without "
                     "computing on its arguments; it must return a tensor computed from them.")
 
@@ -571,17 +591,9 @@ def _is_jax_mod(mod, kind: str) -> bool:
 def _clear() -> None:
     """Forgets every translation, trampoline and replayed guard (jattn.clear_caches)."""
     with _LOCK:
-        for cache in (_TRANSLATIONS, _BY_CONTENT, _JAX_TRANSLATIONS, *_TRAMPOLINES.values(),
-                      *_JAX_MODS.values(), *_FAST_GUARDS.values()):
+        for cache in (_TRANSLATIONS, _BY_KEY.__dict__, _BY_CONTENT, _JAX_TRANSLATIONS,
+                      *_TRAMPOLINES.values(), *_JAX_MODS.values(), *_FAST_GUARDS.values()):
             cache.clear()
-        _argument_translation.cache_clear()
-
-
-@functools.lru_cache(maxsize=None)  # one per argument position
-def _argument_translation(position: int) -> Translation:
-    """The translation of a mod that returns its argument at `position` unchanged."""
-    return _register(_translate.TranslatedMod(lambda captures, *args: args[position], 0),
-                     fetch=lambda mod: (), read_state=lambda mod: ())
 
 
 _JAX_TRANSLATIONS: OrderedDict[int, tuple] = OrderedDict()  # id(mod) -> (mod, translation)

@@ -73,14 +73,17 @@ def rebuild(mod_parts: tuple):
 
 def _holds_tensor(value) -> bool:
     """Whether value is a tensor or a tuple, list or function made in the trace holding one
-    (in its closure, at any depth: `and_masks` closes over the mods it combines). A function
-    made outside the region is a constant whatever it holds."""
+    (in its closure, at any depth: `and_masks` closes over the mods it combines), or such a
+    function closing over a number (a float argument of the compiled function is symbolic
+    from its second value on). A function made outside the region is a constant whatever it
+    holds."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, (tuple, list)):
         return any(_holds_tensor(v) for v in value)
-    if made_in_trace(value):
-        return any(_holds_tensor(cell.cell_contents) for cell in value.__closure__ or ())
+    if made_in_trace(value):  # (a number in its cells may be symbolic: no constant either)
+        return any(_holds_tensor(cell.cell_contents) or isinstance(
+            cell.cell_contents, (int, float)) for cell in value.__closure__ or ())
     return False
 
 

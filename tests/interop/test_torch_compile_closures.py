@@ -10,6 +10,8 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 import interop.torch as jt  # noqa: E402
 from torch._dynamo.testing import CompileCounterWithBackend  # noqa: E402
 
+torch_flex_attention = flex.flex_attention
+
 # torch 2.11's Dynamo hands no closure made in the trace to trace-time code (docs/torch.md)
 pytestmark = pytest.mark.skipif(
     tuple(int(n) for n in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
@@ -183,3 +185,81 @@ def test_a_block_mask_whose_mod_wraps_another_function_re_traces():
                                           BLOCK)
         _exact(compiled(q, block_mask), jt.flex_attention(q, q, q, block_mask=block_mask))
     assert counter.frame_count == 2
+
+
+CONFIG = {"scale": 1.0}
+
+
+def _scaled_by_config(score, b, h, q_idx, kv_idx):
+    return score * CONFIG["scale"]
+
+
+def test_a_global_dicts_item_is_read_on_every_call():
+    """A global whose name ends in G (CONFIG["scale"]): its item is state, eagerly and
+    compiled."""
+    q = _q()
+    compiled, _ = _compiled(lambda q: jt.flex_attention(q, q, q, _scaled_by_config))
+    for scale in (1.0, 4.0):
+        CONFIG["scale"] = scale
+        expected = torch_flex_attention(q, q, q, _scaled_by_config)
+        torch.testing.assert_close(jt.flex_attention(q, q, q, _scaled_by_config), expected,
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(q), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_two_calls_with_new_mods_compile_in_one_graph():
+    """Two layers with mods never called before: the second call's translation is found."""
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - 0.1 * (q_idx - kv_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 5.0 * torch.tanh(score / 5.0)
+
+    def two_layers(q):
+        return jt.flex_attention(jt.flex_attention(q, q, q, alibi), q, q, softcap)
+
+    q = _q()
+    expected = torch_flex_attention(torch_flex_attention(q, q, q, alibi), q, q, softcap)
+    torch.testing.assert_close(_compiled(two_layers)[0](q), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_what_a_mod_reads_to_return_its_score_or_not_is_guarded():
+    """A mod that returns its score in one state (no bias, no key, no attribute) and
+    computes in another: the compiled function follows the state."""
+    q, bias = _q(), torch.randn(H, L, generator=GEN)
+    options, holder = {}, type("Holder", (), {})()
+
+    def with_bias(bias):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score if bias is None else score + bias[h, kv_idx]
+        return score_mod
+
+    def keyed(score, b, h, q_idx, kv_idx):
+        return score - 1.5 * q_idx if "shift" in options else score
+
+    def attribute(score, b, h, q_idx, kv_idx):
+        return score * holder.scale if hasattr(holder, "scale") else score
+
+    compiled, _ = _compiled(lambda q, mod: jt.flex_attention(q, q, q, mod))
+    for mod, change in ((with_bias(None), lambda: with_bias(bias)),
+                        (keyed, lambda: options.update(shift=1) or keyed),
+                        (attribute, lambda: setattr(holder, "scale", 3.0) or attribute)):
+        _exact(compiled(q, mod), jt.flex_attention(q, q, q, mod))
+        mod = change()
+        out = compiled(q, mod)
+        _exact(out, jt.flex_attention(q, q, q, mod))
+        torch.testing.assert_close(out, torch_flex_attention(q, q, q, mod), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_a_mod_made_here_over_a_float_argument_follows_each_value():
+    q = _q()
+
+    def tempered(q, temperature):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score / temperature
+        return jt.flex_attention(q, q, q, score_mod)
+
+    compiled, _ = _compiled(tempered)
+    for temperature in (1.0, 2.0, 3.0):
+        _exact(compiled(q, temperature), tempered(q, temperature))
