@@ -76,6 +76,9 @@ def test_bad_axes_name_the_axis_and_the_shapes():
     with pytest.raises(ValueError, match=r"q's batch \(2, shape \(2, 4, 64, 16\)\) must divide "
                                          "evenly over the 4 devices of mesh axis 'data'"):
         jattn.sharded_flex_attention(q, q, q, mesh=mesh, batch_axis="data")
+    with pytest.raises(ValueError, match="ring_flex_attention: `axis_name` 'seq' is not an "
+                                         "axis.*inside jax.shard_map"):
+        jattn.ring_flex_attention(q, q, q, axis_name="seq")  # outside shard_map
 
 
 @pytest.mark.parametrize("split", ["batch", "sequence", "batch and sequence"])

@@ -344,6 +344,13 @@ _ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
 
 def _checked(q, k, mask_mod, *, axis_name, layout, token_arrays, block_mask):
     """The call's mask_mod (the BlockMask's, if given) and token arrays, checked."""
+    try:
+        lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{_FN}: `axis_name` {axis_name!r} is not an axis of the mesh it runs over: call "
+            "it inside jax.shard_map over a mesh with that axis (the one q, k and v are "
+            "sharded along), or call jattn.sharded_flex_attention on global arrays.") from None
     Lc, Sc = q.shape[2], k.shape[2]
     check_layout(layout, Lc, _FN)
     if Lc != Sc:
