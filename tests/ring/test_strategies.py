@@ -186,8 +186,9 @@ def test_each_strategy_runs_its_collectives_and_no_ring(strategy, forward, backw
 
 def test_heads_must_divide_by_the_devices():
     q = jnp.ones((1, 4, L, E))
-    with pytest.raises(ValueError, match=r"strategy='heads'.*Hq=4 and Hkv=4 must both divide "
-                                         r"by it; use strategy='ring' or 'all_gather'"):
+    with pytest.raises(ValueError, match=r"strategy='heads'.*Hq=4 and Hkv=4 \(per device.*"
+                                         r"must both divide by it; use strategy='ring' or "
+                                         r"'all_gather'"):
         _sharded(8, "heads", "contiguous", TABLE[:4], "causal")(q, q, q)
 
 

@@ -80,9 +80,11 @@ def heads_attention(q, k, v, score_mod, mask_mod, *, axis_name: str, layout: str
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     (B, Hq, Lc, _), Hkv = q.shape, k.shape[1]
     if Hq % n or Hkv % n:
-        raise ValueError(f"ring_flex_attention: strategy='heads' splits the heads over the {n} "
-                         f"devices of axis {axis_name!r}, so Hq={Hq} and Hkv={Hkv} must both "
-                         "divide by it; use strategy='ring' or 'all_gather'.")
+        raise ValueError(f"ring_flex_attention: strategy='heads' splits the heads each device "
+                         f"holds over the {n} devices of axis {axis_name!r}, so its Hq={Hq} "
+                         f"and Hkv={Hkv} (per device, after sharded_flex_attention's "
+                         "head_axis split if any) must both divide by it; use "
+                         "strategy='ring' or 'all_gather'.")
     heads, L = Hq // n, n * Lc
 
     def to_heads(x):  # [B, H, Lc, ...] -> [B, H / n, L, ...], the sequence in order
