@@ -183,7 +183,7 @@ def _reader(source_names: list[str], namespace: dict) -> Callable:
 # Guards on torch's internals, the trampoline's arguments and global state are not about what a
 # mod reads.
 _INTERNAL = re.compile(r"__import__\('torch'\)|G\['__import_torch(_dot_|')|G\['__builtins|"
-                       r"L\['args'\]")
+                       r"L\['args'\]|G\['_GetItemToIndex'\]")
 # Guards on whether a key or attribute is present (`"shift" in cfg`, `hasattr(self, "bias")`):
 # the keyword of the guard's argument and the test, as the guard's source.
 _MEMBERSHIP = {
@@ -207,10 +207,9 @@ _STATE_OF_GUARD = {
 
 
 def _state_sources(guards: list[tuple[str, str]]) -> list[str]:
-    """The expressions of `_STATE_OF_GUARD` for a trace's guards (tensors are fetched, and
-    the trampoline's own global is no state)."""
+    """The expressions of `_STATE_OF_GUARD` for a trace's guards (tensors are fetched)."""
     return [_STATE_OF_GUARD[kind].format(source) for kind, source in guards
-            if kind in _STATE_OF_GUARD and source != "G['_GetItemToIndex']"]
+            if kind in _STATE_OF_GUARD]
 
 
 def _user_guards() -> list[tuple[str, str]]:
@@ -221,12 +220,13 @@ def _user_guards() -> list[tuple[str, str]]:
     found = set()
     for guard in getattr(getattr(context, "guards_context", None), "dynamo_guards", ()):
         kind, name = guard.create_fn_name(), guard.name
+        keywords = getattr(guard.create_fn, "keywords", {})  # (the guard's partial)
         keyword, test = _MEMBERSHIP.get(kind, (None, None))
-        argument = getattr(guard.create_fn, "keywords", {}).get(keyword)
+        argument = keywords.get(keyword)
         if isinstance(argument, (str, int)) and name:
             name = test.format(name=name, arg=argument)
         if kind == "DUPLICATE_INPUT":
-            other = getattr(guard.create_fn, "keywords", {}).get("source_b")
+            other = keywords.get("source_b")
             if other is not None:
                 other = other.name if isinstance(other.name, str) else other.name()
                 name = None if _INTERNAL.search(other) else f"({name}) is ({other})"

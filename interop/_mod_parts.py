@@ -71,18 +71,18 @@ def rebuild(mod_parts: tuple):
 # object (a module a mod closes over) to a constant only there, not inside a tuple.
 
 
-def _holds_tensor(value) -> bool:
-    """Whether value is a tensor or a tuple, list or function made in the trace holding one
-    (in its closure, at any depth: `and_masks` closes over the mods it combines), or such a
-    function closing over a number (a float argument of the compiled function is symbolic
-    from its second value on). A function made outside the region is a constant whatever it
-    holds."""
+def _described(value) -> bool:
+    """Whether value travels as a description, not a leaf: a tensor, or a tuple, list or
+    function made in the trace holding one (in its closure, at any depth: `and_masks` closes
+    over the mods it combines), or such a function closing over a number (a float argument
+    of the compiled function is symbolic from its second value on). A function made outside
+    the region is a constant whatever it holds."""
     if isinstance(value, torch.Tensor):
         return True
     if isinstance(value, (tuple, list)):
-        return any(_holds_tensor(v) for v in value)
+        return any(_described(v) for v in value)
     if made_in_trace(value):  # (a number in its cells may be symbolic: no constant either)
-        return any(_holds_tensor(cell.cell_contents) or isinstance(
+        return any(_described(cell.cell_contents) or isinstance(
             cell.cell_contents, (int, float)) for cell in value.__closure__ or ())
     return False
 
@@ -101,7 +101,7 @@ def _describe(value, leaves: list) -> tuple:
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(specialised(n) for n in value.shape), value.dtype,
                 value.device, value.requires_grad)
-    if not _holds_tensor(value):
+    if not _described(value):
         leaves.append(specialised(value))
         return ("leaf", len(leaves) - 1)
     if isinstance(value, (tuple, list)):

@@ -472,6 +472,10 @@ _IN_RESULT_DTYPE = frozenset({
     aten.rsub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar})
 
 
+def _holds_float64(inputs) -> bool:
+    return any(getattr(x, "dtype", None) == jnp.float64 for x in jax.tree_util.tree_leaves(inputs))
+
+
 def _in_result_dtype(node, args: tuple) -> tuple:
     """args of an `_IN_RESULT_DTYPE` node whose result is float32 or float64, converted to
     that dtype (half-precision results compute in float32 in torch: left to JAX); other
@@ -481,7 +485,7 @@ def _in_result_dtype(node, args: tuple) -> tuple:
             val.dtype not in (torch.float32, torch.float64)):
         return args
     dtype = jax_dtype(val.dtype)
-    if dtype != jnp.float64 and any(getattr(a, "dtype", None) == jnp.float64 for a in args):
+    if dtype != jnp.float64 and _holds_float64(args):
         return args  # a float64 value in a node traced as float32: `_as_traced_dtype`
     return tuple(
         np.asarray(a, dtype)[()] if isinstance(a, (int, float)) and not isinstance(a, bool)
@@ -499,9 +503,7 @@ def _as_traced_dtype(out, node, inputs):
     if isinstance(val, torch.Tensor) and not isinstance(out, tuple):
         out = jnp.asarray(out)
         if (val.dtype == torch.float32 and out.dtype == jnp.float64
-                and "dtype" not in node.kwargs
-                and any(getattr(x, "dtype", None) == jnp.float64
-                        for x in jax.tree_util.tree_leaves(inputs))):
+                and "dtype" not in node.kwargs and _holds_float64(inputs)):
             return out
         return out.astype(jax_dtype(val.dtype))
     return out
